@@ -1,0 +1,22 @@
+# Targets: test (default CPU tier), test-gpu (GPU tier, needs CUDA), bench, lint.
+PYTHON ?= python
+PYTEST_WORKERS ?= 2
+
+.PHONY: test test-gpu bench lint format
+
+test:
+	$(PYTHON) -m pytest tests -q -m "not gpu" -n $(PYTEST_WORKERS) --durations=15
+
+test-gpu:
+	$(PYTHON) -m pytest tests -q -m gpu
+
+bench:
+	$(PYTHON) -m pytest bench -q --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds
+
+lint:
+	ruff check quantpass tests bench
+	ruff format --check quantpass tests bench
+
+format:
+	ruff check --fix quantpass tests bench
+	ruff format quantpass tests bench

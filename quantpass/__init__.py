@@ -1,0 +1,19 @@
+"""quantpass: a torch.compile backend that quantizes the linear and MoE layers of unmodified models.
+
+`import quantpass` needs no GPU, no FlashInfer and does not import Triton.
+"""
+
+from .quant_registry import QTensor, QuantizationConfig, QuantKey, QuantSpec, dequantize, keys, quant_key, quantize
+
+__all__ = [
+    # config
+    "QuantKey",
+    "QuantSpec",
+    "QuantizationConfig",
+    "keys",
+    "quant_key",
+    # numerics
+    "QTensor",
+    "dequantize",
+    "quantize",
+]

@@ -1,0 +1,46 @@
+"""QTensor: a quantized tensor as plain tensors plus the key that says how to read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .keys import QuantKey
+
+
+@dataclass
+class QTensor:
+    """`data` and `scale` (and NVFP4's global `scale2`) of a tensor quantized with `key`.
+
+    Layout (formats.py): `data` keeps the rows of the original `[..., R, C]` and pads the last dim
+    to a multiple of the key's column group (packed two per byte for 4-bit elements); `scale` is
+    `[..., ceil(R / group_rows), ceil(C / group_cols)]` with whole-extent groups giving size 1.
+    `shape` and `dtype` are the original tensor's, restored by `dequantize`.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    scale2: torch.Tensor | None
+    key: QuantKey
+    shape: torch.Size
+    dtype: torch.dtype
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        return (self.data, self.scale, self.scale2)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
+
+    def to(self, device) -> QTensor:
+        moved = [None if t is None else t.to(device) for t in self.tensors()]
+        return QTensor(*moved, key=self.key, shape=self.shape, dtype=self.dtype)
+
+    def __repr__(self) -> str:
+        scale2 = "" if self.scale2 is None else f", scale2={tuple(self.scale2.shape)}"
+        return (
+            f"QTensor({self.key}, shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"data={tuple(self.data.shape)}:{self.data.dtype}, scale={tuple(self.scale.shape)}:{self.scale.dtype}"
+            f"{scale2})"
+        )
