@@ -33,6 +33,17 @@ class QTensor:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors() if t is not None)
 
+    def __getitem__(self, index: int) -> QTensor:
+        """One matrix of a batched `[E, N, K]` tensor (one expert)."""
+        return QTensor(
+            self.data[index],
+            self.scale[index],
+            None if self.scale2 is None else self.scale2[index],
+            key=self.key,
+            shape=self.shape[1:],
+            dtype=self.dtype,
+        )
+
     def to(self, device) -> QTensor:
         moved = [None if t is None else t.to(device) for t in self.tensors()]
         return QTensor(*moved, key=self.key, shape=self.shape, dtype=self.dtype)

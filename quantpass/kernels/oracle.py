@@ -1,0 +1,266 @@
+"""The backend oracle: which kernel runs each quantized site, and why.
+
+Candidates are data: one literal table per kind, `(weight key, activation key) -> backends in
+priority order`. Capability lives with each kernel module (`supports(kind, capability, weight,
+activation, problem) -> (ok, reason)`). Precedence (DESIGN.md §5): a backend the user named >
+`QUANTPASS_DISABLED_BACKENDS` > auto priority. A named backend that can't run raises with its
+reason; auto with nothing left raises listing every rejection.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import envs
+from ..quant_registry.keys import (
+    QuantKey,
+    kFp8Dynamic128Sym,
+    kFp8DynamicTensorSym,
+    kFp8DynamicTokenSym,
+    kFp8Static128BlockSym,
+    kFp8StaticChannelSym,
+    kFp8StaticTensorSym,
+    kInt4StaticGroup128Sym,
+    kInt8DynamicTokenSym,
+    kInt8StaticChannelSym,
+    kMxfp4Static,
+    kMxfp8Dynamic,
+    kMxfp8Static,
+    kNvfp4Dynamic,
+    kNvfp4Static,
+)
+from ..quant_registry.spec import BACKEND_NAMES, KINDS
+
+logger = logging.getLogger("quantpass")
+
+BACKENDS = tuple(b for b in BACKEND_NAMES if b != "auto")
+Pair = tuple[QuantKey, "QuantKey | None"]
+
+# fmt: off
+LINEAR_CANDIDATES: dict[Pair, list[str]] = {
+    (kFp8StaticTensorSym,    kFp8DynamicTensorSym): ["native", "triton", "reference"],
+    (kFp8StaticChannelSym,   kFp8DynamicTokenSym):  ["native", "triton", "reference"],
+    (kFp8Static128BlockSym,  kFp8Dynamic128Sym):    ["triton", "native", "reference"],
+    (kMxfp8Static,           kMxfp8Dynamic):        ["flashinfer", "native", "triton", "reference"],
+    (kMxfp4Static,           None):                 ["triton", "native", "reference"],
+    (kMxfp4Static,           kMxfp8Dynamic):        ["triton", "reference"],
+    (kNvfp4Static,           kNvfp4Dynamic):        ["native", "reference"],
+    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["native", "triton", "reference"],
+    (kFp8StaticChannelSym,   None):                 ["triton", "native", "reference"],
+    (kInt8StaticChannelSym,  None):                 ["cpu", "triton", "native", "reference"],
+    (kInt4StaticGroup128Sym, None):                 ["cpu", "triton", "native", "reference"],
+    (kNvfp4Static,           None):                 ["triton", "native", "reference"],
+}
+
+MOE_CANDIDATES: dict[Pair, list[str]] = {
+    (kFp8StaticTensorSym,    kFp8DynamicTensorSym): ["triton", "reference"],
+    (kFp8StaticChannelSym,   kFp8DynamicTokenSym):  ["triton", "reference"],
+    (kFp8Static128BlockSym,  kFp8Dynamic128Sym):    ["triton", "reference"],
+    (kMxfp8Static,           kMxfp8Dynamic):        ["flashinfer", "triton", "reference"],
+    (kMxfp4Static,           None):                 ["triton", "reference"],
+    (kMxfp4Static,           kMxfp8Dynamic):        ["triton", "reference"],
+    (kNvfp4Static,           kNvfp4Dynamic):        ["reference"],
+    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["triton", "reference"],
+    (kFp8StaticChannelSym,   None):                 ["triton", "reference"],
+    (kInt8StaticChannelSym,  None):                 ["triton", "native", "reference"],
+    (kInt4StaticGroup128Sym, None):                 ["triton", "reference"],
+    (kNvfp4Static,           None):                 ["triton", "reference"],
+}
+# fmt: on
+CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
+
+# Backends the oracle never picks on its own on a device type (a user may still name them):
+# Triton on CPU runs only under the interpreter, ~6 ms per program per K step (DESIGN.md §7).
+NOT_AUTO_ON = {"cpu": {"triton"}}
+
+MODULES = {
+    "reference": "quantpass.kernels.reference",
+    "native": "quantpass.kernels.native",
+    "triton": "quantpass.kernels.triton",
+    "cpu": "quantpass.kernels.cpu",
+    "flashinfer": "quantpass.kernels.flashinfer",
+}
+
+
+@dataclass(frozen=True)
+class Capability:
+    """What a device offers: its type, CUDA SM (e.g. 90, 100), importable libraries."""
+
+    device: str
+    sm: int | None = None
+    libs: frozenset[str] = frozenset()
+    triton_interpret: bool = False
+
+    @classmethod
+    def detect(cls, device: torch.device | str) -> Capability:
+        return _detect(torch.device(device).type, torch.device(device).index)
+
+
+@functools.cache
+def _detect(device_type: str, index: int | None) -> Capability:
+    libs = frozenset(lib for lib in ("triton", "flashinfer") if importlib.util.find_spec(lib) is not None)
+    sm = None
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability(index)
+        sm = major * 10 + minor
+    return Capability(device_type, sm, libs, envs.triton_interpret())
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The sizes a kernel's capability can depend on. `m` is None when the token count is dynamic.
+
+    linear: n = out features, k = in features. moe: n = intermediate size, k = hidden size.
+    """
+
+    n: int
+    k: int
+    m: int | None = None
+    experts: int = 0
+    topk: int = 0
+
+
+@dataclass(frozen=True)
+class Selection:
+    backend: str
+    reason: str
+    rejected: dict[str, str] = field(default_factory=dict, hash=False, compare=False)
+
+
+class NoKernelError(ValueError):
+    """No backend can run a site (named one refused, or auto found none)."""
+
+
+def backend_module(name: str):
+    if name not in MODULES:
+        raise ValueError(f"invalid backend {name!r}; valid: {', '.join(sorted(BACKEND_NAMES))}")
+    return importlib.import_module(MODULES[name])
+
+
+def variants(kind: str, backend: str, weight: QuantKey) -> list[QuantKey | None]:
+    """A backend family's activation variants for a weight key (e.g. MXFP4 x {BF16, MXFP8})."""
+    return [a for (w, a), backends in CANDIDATES[kind].items() if w == weight and backend in backends]
+
+
+def resolve_activation_key(user: QuantKey | None, declared: QuantKey | None) -> QuantKey | None:
+    """The user's activation override wins; a conflicting checkpoint-declared one is an error."""
+    if user is not None and declared is not None and user != declared:
+        raise ValueError(
+            f"activation {user} requested, but the checkpoint declares activation {declared}; "
+            "drop the override or use a checkpoint quantized for it"
+        )
+    return user if user is not None else declared
+
+
+def select(
+    kind: str,
+    weight: QuantKey,
+    activation: QuantKey | None,
+    capability: Capability,
+    problem: Problem,
+    backend: str | None = None,
+) -> Selection:
+    """Choose the backend for one site. Cached: the same question gets the same answer cheaply."""
+    if kind not in KINDS:
+        raise ValueError(f"invalid kind {kind!r}; valid: {', '.join(KINDS)}")
+    if backend is not None and backend not in BACKEND_NAMES:
+        raise ValueError(f"invalid backend {backend!r}; valid: {', '.join(sorted(BACKEND_NAMES))}")
+    return _select(kind, weight, activation, capability, problem, None if backend == "auto" else backend, _disabled())
+
+
+def _disabled() -> frozenset[str]:
+    names = envs.disabled_backends()
+    unknown = names - set(BACKENDS)
+    if unknown:
+        raise ValueError(
+            f"invalid backend {sorted(unknown)[0]!r} in QUANTPASS_DISABLED_BACKENDS; valid: {', '.join(BACKENDS)}"
+        )
+    return names
+
+
+@functools.lru_cache(maxsize=4096)
+def _select(kind, weight, activation, capability, problem, named, disabled) -> Selection:
+    pair = (weight, activation)
+    candidates = CANDIDATES[kind].get(pair)
+    if candidates is None:
+        supported = sorted(f"{w}/{a}" for w, a in CANDIDATES[kind])
+        raise NoKernelError(
+            f"no {kind} kernel for weight {weight} with activation {activation}; supported pairs: {supported}"
+        )
+    if named is not None:
+        if named not in candidates:
+            offered = [str(a) for a in variants(kind, named, weight)]
+            raise NoKernelError(
+                f"backend {named!r} has no {kind} kernel for weight {weight} with activation {activation}"
+                + (f"; it takes activations {offered} with this weight" if offered else "")
+                + f"; backends for this pair: {', '.join(candidates)}"
+            )
+        ok, why = backend_module(named).supports(kind, capability, weight, activation, problem)
+        if not ok:
+            raise NoKernelError(
+                f"backend {named!r} can't run {kind} {weight}/{activation} on {_where(capability)}: {why}"
+            )
+        return _chosen(kind, pair, Selection(named, "named by the user"))
+    rejected = {}
+    for name in candidates:
+        if name in disabled:
+            rejected[name] = "disabled by QUANTPASS_DISABLED_BACKENDS"
+            continue
+        if name in NOT_AUTO_ON.get(capability.device, ()):
+            rejected[name] = f"not chosen automatically on {capability.device} (name it to use it)"
+            continue
+        ok, why = backend_module(name).supports(kind, capability, weight, activation, problem)
+        if ok:
+            return _chosen(kind, pair, Selection(name, why or f"first supported of {candidates}", rejected))
+        rejected[name] = why
+    listing = "; ".join(f"{b}: {r}" for b, r in rejected.items())
+    raise NoKernelError(f"no backend can run {kind} {weight}/{activation} on {_where(capability)}: {listing}")
+
+
+def _where(capability: Capability) -> str:
+    return capability.device if capability.sm is None else f"{capability.device} sm{capability.sm}"
+
+
+_logged: set = set()
+
+
+def _chosen(kind: str, pair: Pair, selection: Selection) -> Selection:
+    token = (kind, pair, selection.backend)
+    if token not in _logged:
+        _logged.add(token)
+        logger.info("%s %s/%s -> %s (%s)", kind, pair[0], pair[1], selection.backend, selection.reason)
+        for name, why in selection.rejected.items():
+            logger.debug("%s %s/%s: %s rejected: %s", kind, pair[0], pair[1], name, why)
+    return selection
+
+
+# Reference machines for the "what runs where" table: a CPU, an H100/H200, a B200.
+REFERENCE_CAPABILITIES = {
+    "cpu": Capability("cpu"),
+    "cuda sm90": Capability("cuda", 90, frozenset({"triton"})),
+    "cuda sm100": Capability("cuda", 100, frozenset({"triton", "flashinfer"})),
+}
+
+
+def kernel_table(problem: Problem = Problem(n=4096, k=4096)) -> list[dict]:
+    """What runs where, asked of each kernel's own `supports`: one row per (kind, pair, backend)."""
+    rows = []
+    for kind, table in CANDIDATES.items():
+        for (weight, activation), backends in table.items():
+            for backend in backends:
+                module = backend_module(backend)
+                devices = [
+                    where
+                    for where, capability in REFERENCE_CAPABILITIES.items()
+                    if module.supports(kind, capability, weight, activation, problem)[0]
+                ]
+                rows.append(
+                    {"kind": kind, "weight": weight, "activation": activation, "backend": backend, "devices": devices}
+                )
+    return rows

@@ -1,0 +1,100 @@
+"""The `reference` backend: dequantize and compute in fp32 with plain torch, on any device.
+
+It is the numerical ground truth for tests, `verify` and benchmarks: activations go through the
+same quantize -> dequantize round trip a real kernel's activation quantization would apply, so a
+kernel and the reference should agree to rounding, not merely to the format's accuracy.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..quant_registry.formats import dequantize, quantize
+from ..quant_registry.keys import QuantKey
+from ..quant_registry.qtensor import QTensor
+
+DEVICES = "any"
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
+GATE_UP_LAYOUTS = ("concat", "interleaved")
+
+
+def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
+    return True, "dequantize + fp32 matmul (the ground truth; slow)"
+
+
+def fake_quantize(x: torch.Tensor, key: QuantKey | None) -> torch.Tensor:
+    """x as a kernel sees it after activation quantization, in fp32."""
+    return x.float() if key is None else dequantize(quantize(x, key), torch.float32)
+
+
+def linear(x: torch.Tensor, weight: QTensor, activation: QuantKey | None, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x.dtype."""
+    out = fake_quantize(x, activation) @ dequantize(weight, torch.float32).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+def gated_activation(h: torch.Tensor, activation: str, gate_up_layout: str, alpha: float, limit: float) -> torch.Tensor:
+    """[T, 2I] gate/up projections -> [T, I]. GPT-OSS (`swigluoai`) clamps and uses (up + 1)."""
+    if gate_up_layout == "concat":  # [gate; up] along 2I
+        gate, up = h.chunk(2, dim=-1)
+    elif gate_up_layout == "interleaved":  # gate on even rows, up on odd rows
+        gate, up = h[..., 0::2], h[..., 1::2]
+    else:
+        raise ValueError(f"invalid gate_up_layout {gate_up_layout!r}; valid: {', '.join(GATE_UP_LAYOUTS)}")
+    if activation == "silu":
+        return F.silu(gate) * up
+    if activation == "gelu":
+        return F.gelu(gate) * up
+    if activation == "gelu_tanh":
+        return F.gelu(gate, approximate="tanh") * up
+    if activation == "swigluoai":
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+    raise ValueError(f"invalid MoE activation {activation!r}; valid: {', '.join(ACTIVATIONS)}")
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: QTensor,
+    w2: QTensor,
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    activation_key: QuantKey | None,
+    activation: str,
+    gate_up_layout: str,
+    apply_router_weight_on_input: bool,
+    alpha: float,
+    limit: float,
+) -> torch.Tensor:
+    """hidden [T, H], routing [T, k] -> [T, H]: a loop over local experts, dequantized weights.
+
+    w13 [E, 2I, H], w2 [E, H, I] hold the local experts; `expert_map` [global E] maps a global expert
+    id to its local index, -1 for experts that live elsewhere (they contribute nothing here).
+    """
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    for expert in topk_ids.unique().tolist():
+        local = expert if expert_map is None else int(expert_map[expert])
+        if local < 0:
+            continue
+        tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
+        router = topk_weights[tokens, slots].float().unsqueeze(-1)
+        x = hidden[tokens].float()
+        if apply_router_weight_on_input:
+            x = x * router
+        h = fake_quantize(x.to(hidden.dtype), activation_key) @ dequantize(w13[local], torch.float32).t()
+        if b13 is not None:
+            h = h + b13[local].float()
+        a = gated_activation(h, activation, gate_up_layout, alpha, limit)
+        y = fake_quantize(a.to(hidden.dtype), activation_key) @ dequantize(w2[local], torch.float32).t()
+        if b2 is not None:
+            y = y + b2[local].float()
+        if not apply_router_weight_on_input:
+            y = y * router
+        out.index_add_(0, tokens, y)
+    return out.to(hidden.dtype)

@@ -1,0 +1,1 @@
+"""Graph passes: the quantize rewrite, verification, and the pass manager."""

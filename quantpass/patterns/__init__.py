@@ -1,0 +1,1 @@
+"""Pattern matchers: find linear and MoE sites in Dynamo graphs."""

@@ -1,0 +1,105 @@
+"""What the pattern matchers hand to the rewrite pass: sites, each owning its weights and rewrite.
+
+A `Site` is one layer found in a Dynamo graph (a linear, or the experts of an MoE layer). The pass
+is generic over sites: it resolves the config by `fqn`, asks the oracle with `kind`/`problem`,
+quantizes the parameters in `params` (through the weight cache, never baked into the graph), then
+calls `rewrite` with one placeholder per quantized tensor, and `verify` compares
+`run_original` with `run_quantized` on a sample input.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+import torch.fx as fx
+
+from ..kernels.oracle import Problem
+from ..quant_registry.qtensor import QTensor
+from ..quant_registry.spec import QuantSpec
+
+
+@dataclass
+class ParamRef:
+    """A parameter placeholder of the Dynamo graph.
+
+    `index` is its position among the graph's placeholders (= in example_inputs and in the
+    runtime call's args); `name` its FQN, e.g. `model.layers.0.mlp.experts.gate_up_proj`.
+    `transposed` says it is stored `[..., K, N]` and must be transposed to the `[..., N, K]`
+    layout quantization expects.
+    """
+
+    node: fx.Node
+    index: int
+    name: str
+    transposed: bool = False
+
+    def matrix(self, value: torch.Tensor) -> torch.Tensor:
+        """The parameter's value in `[..., N, K]` layout."""
+        return value.transpose(-2, -1) if self.transposed else value
+
+
+@dataclass
+class Site:
+    kind: ClassVar[str]
+    fqn: str
+    params: list[ParamRef]
+    problem: Problem
+    skip_reason: str | None = None  # found, but left alone: why (shown in the plan)
+    notes: list[str] = field(default_factory=list)  # extra plan notes (e.g. "bias fused")
+
+    def quantize(self, values: list[torch.Tensor], spec: QuantSpec, backend: str) -> list[QTensor]:
+        """The parameters' values -> backend-prepared QTensors (cached by the caller)."""
+        raise NotImplementedError
+
+    def rewrite(
+        self, graph: fx.Graph, weights: list[list[fx.Node | None]], spec: QuantSpec, backend: str, device_type: str
+    ):
+        """Replace this site's computation; `weights[i]` = [data, scale, scale2] nodes of params[i]."""
+        raise NotImplementedError
+
+    def sample_inputs(self, like: torch.Tensor | None, device, dtype) -> list[torch.Tensor]:
+        """Inputs for `verify` (activations only; parameters come from `run_*`'s `values`)."""
+        raise NotImplementedError
+
+    def run_original(self, inputs: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def run_quantized(
+        self, inputs: list[torch.Tensor], weights: list[QTensor], spec: QuantSpec, backend: str, device_type: str
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+
+_SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")
+
+
+def source_fqn(node: fx.Node) -> str | None:
+    """The FQN of a parameter placeholder from Dynamo's source, e.g.
+
+    `L['self']._modules['model']._modules['layers'][0]._parameters['weight']` -> `model.layers.0.weight`.
+    Everything before the first `._modules`/`._parameters`/`._buffers` (the root: `L['self']`,
+    `L['args'][0]`, `G['m']`) is dropped.
+    """
+    grapharg = node.meta.get("grapharg")
+    source = getattr(grapharg, "source", None)
+    if source is None:
+        return None
+    name = source.name() if callable(source.name) else source.name
+    start = re.search(r"\._(?:modules|parameters|buffers)\[", name)
+    if start is None:
+        return None
+    parts = [next(g for g in m.groups() if g is not None) for m in _SOURCE_PART.finditer(name, start.start())]
+    return ".".join(parts)
+
+
+def param_refs(graph: fx.Graph, example_inputs) -> dict[fx.Node, ParamRef]:
+    """Every placeholder bound to an `nn.Parameter`, by node."""
+    refs = {}
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for index, node in enumerate(placeholders):
+        if index < len(example_inputs) and isinstance(example_inputs[index], torch.nn.Parameter):
+            refs[node] = ParamRef(node, index, source_fqn(node) or node.name)
+    return refs
