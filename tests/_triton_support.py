@@ -1,0 +1,35 @@
+"""Shared by the Triton kernel tests: poisoned allocations and the pairs the oracle routes to Triton."""
+
+import pytest
+import torch
+
+from quantpass.kernels import oracle
+
+pytest.importorskip("triton", reason="the Triton backend tests need triton installed")
+
+# Every (weight, activation) pair a candidate table offers the triton backend: a new row gets tested.
+LINEAR_PAIRS = [pair for pair, backends in oracle.LINEAR_CANDIDATES.items() if "triton" in backends]
+MOE_PAIRS = [pair for pair, backends in oracle.MOE_CANDIDATES.items() if "triton" in backends]
+
+
+def pair_id(pair) -> str:
+    weight, activation = pair
+    return f"{weight}-{activation}"
+
+
+def poison_empty(monkeypatch) -> None:
+    """Make `torch.empty` return all-0xFF bytes (NaN for float types, -1 / 255 for ints), so any
+    output element a kernel forgets to write fails the test instead of passing as leftover zeros."""
+    real_empty = torch.empty
+
+    def poisoned(*args, **kwargs):
+        tensor = real_empty(*args, **kwargs)
+        if tensor.numel() and tensor.dtype != torch.bool:
+            tensor.reshape(-1).view(torch.uint8).fill_(0xFF)
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+
+
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
