@@ -3,9 +3,19 @@
 `import quantpass` needs no GPU, no FlashInfer and does not import Triton.
 """
 
+from .backend import backend, explain
+from .functional import linear
+from .passes.verify import QuantizationError
+from .plan import Plan, PlanRow
 from .quant_registry import QTensor, QuantizationConfig, QuantKey, QuantSpec, dequantize, keys, quant_key, quantize
 
 __all__ = [
+    # compile
+    "backend",
+    "explain",
+    "Plan",
+    "PlanRow",
+    "QuantizationError",
     # config
     "QuantKey",
     "QuantSpec",
@@ -15,5 +25,6 @@ __all__ = [
     # numerics
     "QTensor",
     "dequantize",
+    "linear",
     "quantize",
 ]

@@ -124,6 +124,8 @@ class Problem:
     m: int | None = None
     experts: int = 0
     topk: int = 0
+    activation: str | None = None  # moe: the gated activation ("silu", "swigluoai", ...)
+    has_bias: bool = False  # moe: expert biases
 
 
 @dataclass(frozen=True)
@@ -215,7 +217,12 @@ def _select(kind, weight, activation, capability, problem, named, disabled) -> S
         if name in NOT_AUTO_ON.get(capability.device, ()):
             rejected[name] = f"not chosen automatically on {capability.device} (name it to use it)"
             continue
-        ok, why = backend_module(name).supports(kind, capability, weight, activation, problem)
+        try:
+            module = backend_module(name)
+        except ImportError as e:  # a broken optional dependency must not take the others down
+            rejected[name] = f"could not be imported: {e}"
+            continue
+        ok, why = module.supports(kind, capability, weight, activation, problem)
         if ok:
             return _chosen(kind, pair, Selection(name, why or f"first supported of {candidates}", rejected))
         rejected[name] = why

@@ -50,6 +50,10 @@ class Site:
     skip_reason: str | None = None  # found, but left alone: why (shown in the plan)
     notes: list[str] = field(default_factory=list)  # extra plan notes (e.g. "bias fused")
 
+    def signature(self) -> tuple:
+        """Anything besides (spec, backend, transposes) that changes `quantize`'s result."""
+        return ()
+
     def quantize(self, values: list[torch.Tensor], spec: QuantSpec, backend: str) -> list[QTensor]:
         """The parameters' values -> backend-prepared QTensors (cached by the caller)."""
         raise NotImplementedError

@@ -92,10 +92,12 @@ def quantize(x: torch.Tensor, key: QuantKey, name: str = "tensor") -> QTensor:
         raise ValueError(f"cannot quantize {name} with {key}: it contains NaN or Inf")
     element = ELEMENTS[key.dtype]
     groups = _grouped(x.float(), key)  # [..., R/gr, gr, C/gc, gc]
-    amax = groups.abs().amax(dim=(-3, -1), keepdim=True).clamp(min=AMAX_EPS)
+    group_amax = groups.abs().amax(dim=(-3, -1), keepdim=True)
+    amax = group_amax.clamp(min=AMAX_EPS)
     scale2 = None
     if key.scale.dtype == E8M0:
-        exponent = torch.ceil(torch.log2(amax / element.max)).clamp(-127, 127)  # RCEIL
+        # RCEIL from the raw amax: an all-zero block gets byte 0 (2^-127), as FlashInfer writes it
+        exponent = torch.ceil(torch.log2(group_amax / element.max)).clamp(-127, 127)
         if key.static:  # weights: the exponent below RCEIL (FLOOR's pick) wins where it errs less
             candidates = [torch.exp2(exponent), torch.exp2((exponent - 1).clamp(min=-127))]
             exponent = torch.log2(_lowest_error_scale(groups, candidates, key.dtype))

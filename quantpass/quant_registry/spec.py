@@ -338,6 +338,9 @@ class QuantizationConfig:
     def __eq__(self, other) -> bool:
         return isinstance(other, QuantizationConfig) and self.to_dict() == other.to_dict()
 
+    def __hash__(self) -> int:
+        return hash(self.to_json())
+
     def __repr__(self) -> str:
         return f"QuantizationConfig({self.to_json()})"
 

@@ -1,0 +1,162 @@
+"""The Dynamo backend: options -> config, run the pass, lower, wrap with the weight supplier.
+
+`torch.compile(model, backend="quantpass", options={...})` reaches `quantpass_backend` through the
+`torch_dynamo_backends` entry point; `qp.backend(config, **options)` builds the same thing as an
+object that also keeps the plans of what it compiled.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from . import envs
+from .lowering import LOWERINGS, lower
+from .passes.manager import QuantizePass
+from .passes.quantize import Binding
+from .plan import Plan
+from .quant_registry.spec import QuantizationConfig
+
+logger = logging.getLogger("quantpass")
+
+CONFIG_OPTIONS = ("linear", "moe", "targets", "ignore", "backend")
+OPTIONS = ("config", *CONFIG_OPTIONS, "lowering", "verify", "debug_dir")
+
+
+def _configure_logging() -> None:
+    level = envs.log_level()
+    if level is None:
+        return
+    if not logger.handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("[quantpass %(levelname)s] %(message)s"))
+        logger.addHandler(handler)
+    try:
+        logger.setLevel(level.upper())
+    except ValueError:
+        raise ValueError(f"invalid QUANTPASS_LOG {level!r}; valid: critical, debug, error, info, warning") from None
+
+
+_configure_logging()
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    config: QuantizationConfig
+    lowering: str = "inductor"
+    verify: bool = True
+    debug_dir: str | None = None
+
+    @classmethod
+    def parse(cls, config=None, **options) -> BackendOptions:
+        unknown = sorted(set(options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"invalid quantpass option {unknown[0]!r}; valid: {', '.join(sorted(OPTIONS))}")
+        if config is not None and not isinstance(config, QuantizationConfig):
+            config = QuantizationConfig.from_dict(config)
+        overrides = QuantizationConfig(**{k: options[k] for k in CONFIG_OPTIONS if k in options})
+        merged = (config or QuantizationConfig()).merged_with(overrides)
+        lowering = options.get("lowering", "inductor")
+        if lowering not in LOWERINGS:
+            raise ValueError(f"invalid quantpass option lowering={lowering!r}; valid: {', '.join(LOWERINGS)}")
+        verify = options.get("verify", True)
+        if not isinstance(verify, bool):
+            raise ValueError(f"invalid quantpass option verify={verify!r}; valid: True, False")
+        debug_dir = options.get("debug_dir") or envs.debug_dir()
+        return cls(merged, lowering, verify, None if debug_dir is None else str(debug_dir))
+
+
+class QuantizedGraph:
+    """What Dynamo calls: supplies each site's quantized weights from the cache, then runs."""
+
+    def __init__(self, compiled, bindings: list[Binding]):
+        self.compiled = compiled  # a Dynamo-level callable: called with *args, never boxed
+        self.bindings = bindings
+
+    def __call__(self, *args):
+        return self.compiled(*args, *(t for binding in self.bindings for t in binding.tensors(args)))
+
+
+@dataclass
+class QuantpassBackend:
+    """A Dynamo backend; `plans` holds one Plan per graph it compiled."""
+
+    options: BackendOptions
+    plans: list[Plan] = field(default_factory=list)
+    graphs: list[tuple] = field(default_factory=list)  # (Dynamo's graph, rewritten graph or None)
+
+    @property
+    def plan(self) -> Plan:
+        """All compiled graphs' plans together."""
+        merged = Plan()
+        for plan in self.plans:
+            merged.extend(plan)
+        return merged
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        options = self.options
+        if options.config.is_empty:  # nothing to quantize: plain lowering
+            return lower(gm, example_inputs, options.lowering)
+        quantize_pass = QuantizePass(options.config, options.verify)
+        result = quantize_pass(gm, example_inputs)
+        self.plans.append(result.plan)
+        self.graphs.append((gm, result.graph_module))
+        logger.info("%s", result.plan.summary())
+        if options.debug_dir:
+            _dump(Path(options.debug_dir), gm, result)
+        if result.graph_module is None:  # nothing quantized in this graph
+            return lower(gm, example_inputs, options.lowering, quantize_pass.uuid())
+        inputs = [*example_inputs, *result.extra_inputs]
+        compiled = lower(result.graph_module, inputs, options.lowering, quantize_pass.uuid())
+        return QuantizedGraph(compiled, [q.binding for q in result.sites])
+
+    def __eq__(self, other):  # Dynamo compares backends to decide whether a cache entry fits
+        return isinstance(other, QuantpassBackend) and self.options == other.options
+
+    __hash__ = object.__hash__
+
+
+def backend(config: QuantizationConfig | dict | None = None, **options) -> QuantpassBackend:
+    """A quantpass Dynamo backend: `torch.compile(model, backend=qp.backend(cfg, lowering=...))`."""
+    return QuantpassBackend(BackendOptions.parse(config=config, **options))
+
+
+def quantpass_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
+    """The `torch_dynamo_backends` entry point: `torch.compile(m, backend="quantpass", options=...)`."""
+    if mode not in (None, "default"):
+        raise ValueError(f"invalid mode {mode!r} for backend 'quantpass'; it takes options=, not mode=")
+    return backend(**(options or {}))(gm, example_inputs)
+
+
+_compile_ids = itertools.count()
+
+
+def _dump(root: Path, gm, result) -> None:
+    folder = root / f"compile_{next(_compile_ids):03d}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "before.py").write_text(gm.print_readable(print_output=False))
+    if result.graph_module is not None:
+        (folder / "after.py").write_text(result.graph_module.print_readable(print_output=False))
+    (folder / "plan.txt").write_text(str(result.plan) + "\n")
+    logger.info("quantpass debug output in %s", folder)
+
+
+def explain(model, *example_inputs, config: QuantizationConfig | dict | None = None, **options) -> Plan:
+    """What quantpass would do to `model` on these inputs: captures with Dynamo, quantizes nothing.
+
+    Runs the model once (uncompiled, under `torch.no_grad()`: quantpass is for inference).
+    """
+    opts = BackendOptions.parse(config=config, **options)
+    plan = Plan()
+
+    def planner(gm, inputs):
+        plan.extend(QuantizePass(opts.config, verify=False)(gm, inputs, plan_only=True).plan)
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=planner)(*example_inputs)
+    return plan

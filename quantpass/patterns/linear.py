@@ -1,0 +1,169 @@
+"""Linear sites in a Dynamo graph: `F.linear`/`nn.Linear`, `x @ W.T` / `torch.matmul`, `addmm`.
+
+Patterns are plain checks on FX nodes. A site's weight must be a placeholder bound to an
+`nn.Parameter` (Dynamo lifts every parameter to a placeholder and passes the real Parameter as
+the example input); anything else is reported in the plan as left alone, with the reason.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn.functional as F
+
+from ..kernels import ops
+from ..kernels.oracle import Problem
+from ..quant_registry.formats import quantize
+from .site import ParamRef, Site, param_refs
+
+LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
+MATMUL_TARGETS = {operator.matmul, torch.matmul}
+ADDMM_TARGETS = {torch.addmm}
+ROUTER_HOPS = 4  # a linear whose output reaches `topk` within this many nodes is an MoE router
+
+
+@dataclass
+class LinearSite(Site):
+    kind = "linear"
+    node: fx.Node | None = None  # the node whose value the quantized op replaces
+    x: fx.Node | None = None
+    bias: fx.Node | None = None
+    config_kind: str = "linear"  # "moe" for per-expert linears of an unproven MoE
+    default_ignore: str | None = None  # why the defaults leave it alone (lm_head, tied, router)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def weight(self) -> ParamRef:
+        return self.params[0]
+
+    def quantize(self, values, spec, backend):
+        weight = quantize(self.weight.matrix(values[0]), spec.weight, name=self.weight.name)
+        return [ops.prepare_weight(backend, "linear", weight)]
+
+    def _op_args(self, x, tensors, bias, spec, backend):
+        data, scale, scale2 = tensors
+        key, act = ops.key_arg(spec.weight), ops.key_arg(spec.activation)
+        return (x, data, scale, scale2, bias, key, act, backend, self.problem.n)
+
+    def rewrite(self, graph, weights, spec, backend, device_type):
+        target = ops.linear_call(backend, device_type)
+        with graph.inserting_before(self.node):
+            new = graph.call_function(target, self._op_args(self.x, weights[0], self.bias, spec, backend))
+        new.meta.update(self.node.meta)
+        self.node.replace_all_uses_with(new)
+        graph.erase_node(self.node)
+        return new
+
+    def sample_inputs(self, like, device, dtype):
+        x = torch.randn(16, self.problem.k, device=device, dtype=torch.float32)
+        if like is not None and like.is_floating_point() and like.numel() > 1:
+            x = x * like.float().std() + like.float().mean()
+        return [x.to(dtype)]
+
+    def run_original(self, inputs, values):
+        return F.linear(inputs[0], self.weight.matrix(values[0]).to(inputs[0].dtype))
+
+    def run_quantized(self, inputs, weights, spec, backend, device_type):
+        target = ops.linear_call(backend, device_type)
+        return target(*self._op_args(inputs[0], weights[0].tensors(), None, spec, backend))
+
+
+def _strip_transpose(node) -> tuple[fx.Node, bool]:
+    """(source, True) if `node` is a 2-D transpose of `source` (`w.T`, `w.t()`, `w.transpose(0, 1)`...)."""
+    if not isinstance(node, fx.Node):
+        return node, False
+    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+        return node.args[0], True
+    if node.op == "call_function" and node.target is torch.t:
+        return node.args[0], True
+    if node.op == "call_method" and node.target == "t":
+        return node.args[0], True
+    swaps_dims = {d % 2 for d in node.args[1:3] if isinstance(d, int)} == {0, 1}
+    if node.op in ("call_method", "call_function") and node.target in ("transpose", torch.transpose) and swaps_dims:
+        return node.args[0], True
+    if node.op in ("call_method", "call_function") and node.target in ("permute", torch.permute):
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        if tuple(dims) in ((1, 0), (-1, -2)):
+            return node.args[0], True
+    return node, False
+
+
+def _arg(node: fx.Node, index: int, name: str, default=None):
+    if len(node.args) > index:
+        return node.args[index]
+    return node.kwargs.get(name, default)
+
+
+def _match(node: fx.Node):
+    """(x, weight operand, weight is stored [K, N], bias) for a linear-like node, else None."""
+    if node.op != "call_function":
+        return None
+    if node.target in LINEAR_TARGETS:
+        return _arg(node, 0, "input"), _arg(node, 1, "weight"), False, _arg(node, 2, "bias")
+    if node.target in MATMUL_TARGETS:
+        weight, transposed = _strip_transpose(node.args[1])
+        return node.args[0], weight, not transposed, None
+    if node.target in ADDMM_TARGETS and not {"beta", "alpha"} & set(node.kwargs):
+        weight, transposed = _strip_transpose(node.args[2])
+        return node.args[1], weight, not transposed, node.args[0]
+    return None
+
+
+def _module_fqn(node: fx.Node, fallback: str) -> str:
+    """The FQN of the innermost module the node ran in (`L['self'].model.layers[0].mlp` -> `model.layers.0.mlp`)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return fallback
+    path = re.sub(r"\[(\d+)\]", r".\1", list(stack.values())[-1][0])
+    return re.sub(r"^L\['[^']*'\](\.\d+)*\.?", "", path) or fallback
+
+
+def _feeds_topk(node: fx.Node, hops: int = ROUTER_HOPS) -> bool:
+    frontier = list(node.users)
+    for _ in range(hops):
+        if any(u.target in (torch.topk, "topk") for u in frontier):
+            return True
+        frontier = [v for u in frontier for v in u.users]
+    return False
+
+
+def find_linear_sites(graph: fx.Graph, example_inputs, claimed=frozenset(), expert_linears=None) -> list[LinearSite]:
+    """Every linear-like node not inside a claimed (MoE) region, as a site or a skipped site."""
+    expert_linears = expert_linears or {}
+    params = param_refs(graph, example_inputs)
+    embedded = {n.args[1] for n in graph.nodes if n.op == "call_function" and n.target is F.embedding}
+    sites = []
+    for node in graph.nodes:
+        if node in claimed or (matched := _match(node)) is None:
+            continue
+        x, weight, stored_kn, bias = matched
+        ref = params.get(weight)
+        value = weight.meta.get("example_value", weight.meta.get("val")) if isinstance(weight, fx.Node) else None
+        if value is None or getattr(value, "dim", lambda: 0)() != 2:
+            continue  # not a matrix product with a 2-D weight
+        n, k = (value.shape[1], value.shape[0]) if stored_kn else tuple(value.shape)
+        if ref is None:
+            fqn = _module_fqn(node, node.name)
+            reason = "weight is not a parameter (computed in the graph or a buffer)"
+            sites.append(LinearSite(fqn, [], Problem(int(n), int(k)), reason, node=node, x=x, bias=bias))
+            continue
+        ref = ParamRef(ref.node, ref.index, ref.name, transposed=stored_kn)
+        fqn = ref.name.removesuffix(".weight")
+        if weight in embedded or sum(_match(u) is not None for u in weight.users) > 1:
+            fqn = _module_fqn(node, fqn)  # a shared (tied) weight: name the module that uses it here
+        site = LinearSite(fqn, [ref], Problem(int(n), int(k)), node=node, x=x, bias=bias)
+        if weight in expert_linears:
+            site.config_kind = "moe"
+            site.notes.append(f"expert of {expert_linears[weight]} (not a provable fused MoE): moe spec")
+        if weight in embedded:
+            site.default_ignore = "weight tied to an embedding"
+        elif fqn.split(".")[-1] == "lm_head":
+            site.default_ignore = "output head (lm_head)"
+        elif _feeds_topk(node):
+            site.default_ignore = "MoE router: its outputs pick experts"
+        sites.append(site)
+    return sites

@@ -1,0 +1,76 @@
+"""The plan: what quantpass does (or did) to every layer, and why."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PlanRow:
+    """One site. `weight`/`activation` are registered key names (None when not quantized /
+    unquantized activations); `backend` is None when the site is left unquantized; `reason` says
+    why that choice (or why it was left alone); `rejected` maps backend -> why it couldn't run."""
+
+    fqn: str
+    kind: str
+    weight: str | None
+    activation: str | None
+    backend: str | None
+    reason: str
+    rejected: dict[str, str] = field(default_factory=dict)
+    format: str | None = None  # the shorthand (or weight/activation) for summaries
+
+    @property
+    def quantized(self) -> bool:
+        return self.backend is not None
+
+
+@dataclass
+class Plan:
+    rows: list[PlanRow] = field(default_factory=list)
+
+    def extend(self, other: Plan) -> None:
+        self.rows.extend(other.rows)
+
+    def quantized(self, kind: str | None = None) -> list[PlanRow]:
+        return [r for r in self.rows if r.quantized and kind in (None, r.kind)]
+
+    def summary(self) -> str:
+        """e.g. `linear: 28 quantized (fp8_per_block, triton 28) | 2 skipped | moe: 2 quantized (...)`."""
+        parts = []
+        for kind in ("linear", "moe"):
+            rows = [r for r in self.rows if r.kind == kind]
+            if not rows:
+                continue
+            done = [r for r in rows if r.quantized]
+            formats = ", ".join(sorted({r.format for r in done if r.format}))
+            backends = ", ".join(f"{b} {n}" for b, n in sorted(Counter(r.backend for r in done).items()))
+            detail = f" ({formats}; {backends})" if done else ""
+            parts.append(f"{kind}: {len(done)} quantized{detail} | {len(rows) - len(done)} skipped")
+        return " | ".join(parts) if parts else "no linear or moe layers found"
+
+    def table(self) -> str:
+        headers = ("layer", "kind", "weight", "activation", "backend", "reason")
+        cells = [(r.fqn, r.kind, r.weight or "-", r.activation or "-", r.backend or "-", r.reason) for r in self.rows]
+        widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
+        widths[-1] = len(headers[-1])  # the reason column is last: don't pad it
+        line = lambda row: "  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
+        return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+
+    def __str__(self) -> str:
+        return f"{self.table()}\n{self.summary()}"
+
+    def to_dicts(self) -> list[dict]:
+        return [
+            {
+                "fqn": r.fqn,
+                "kind": r.kind,
+                "weight": r.weight,
+                "activation": r.activation,
+                "backend": r.backend,
+                "reason": r.reason,
+                "rejected": dict(r.rejected),
+            }
+            for r in self.rows
+        ]
