@@ -7,14 +7,13 @@ object that also keeps the plans of what it compiled.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from . import envs
+from .debug import dump_compile
 from .lowering import LOWERINGS, lower
 from .passes.manager import QuantizePass
 from .passes.quantize import Binding
@@ -107,7 +106,7 @@ class QuantpassBackend:
         self.graphs.append((gm, result.graph_module))
         logger.info("%s", result.plan.summary())
         if options.debug_dir:
-            _dump(Path(options.debug_dir), gm, result)
+            dump_compile(options.debug_dir, gm, result)
         if result.graph_module is None:  # nothing quantized in this graph
             return lower(gm, example_inputs, options.lowering, quantize_pass.uuid())
         inputs = [*example_inputs, *result.extra_inputs]
@@ -130,19 +129,6 @@ def quantpass_backend(gm, example_inputs, options: dict | None = None, mode: str
     if mode not in (None, "default"):
         raise ValueError(f"invalid mode {mode!r} for backend 'quantpass'; it takes options=, not mode=")
     return backend(**(options or {}))(gm, example_inputs)
-
-
-_compile_ids = itertools.count()
-
-
-def _dump(root: Path, gm, result) -> None:
-    folder = root / f"compile_{next(_compile_ids):03d}"
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "before.py").write_text(gm.print_readable(print_output=False))
-    if result.graph_module is not None:
-        (folder / "after.py").write_text(result.graph_module.print_readable(print_output=False))
-    (folder / "plan.txt").write_text(str(result.plan) + "\n")
-    logger.info("quantpass debug output in %s", folder)
 
 
 def explain(model, *example_inputs, config: QuantizationConfig | dict | None = None, **options) -> Plan:

@@ -20,6 +20,8 @@ class PlanRow:
     reason: str
     rejected: dict[str, str] = field(default_factory=dict)
     format: str | None = None  # the shorthand (or weight/activation) for summaries
+    bytes: int = 0  # quantized weight bytes (data + scales) when quantized
+    original_bytes: int = 0  # the unquantized weights' bytes
 
     @property
     def quantized(self) -> bool:
@@ -71,6 +73,8 @@ class Plan:
                 "backend": r.backend,
                 "reason": r.reason,
                 "rejected": dict(r.rejected),
+                "bytes": r.bytes,
+                "original_bytes": r.original_bytes,
             }
             for r in self.rows
         ]

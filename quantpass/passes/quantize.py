@@ -146,6 +146,8 @@ def quantize_graph(
         q.binding = _binding(q)
         tensors = q.binding.tensors(example_inputs)
         qtensors = q.binding.qtensors(example_inputs)
+        q.row.bytes = sum(qt.nbytes for qt in qtensors)
+        q.row.original_bytes = sum(example_inputs[p.index].nbytes for p in q.site.params)
         names = [f"quantpass_{q.site.fqn.replace('.', '_')}_{i}" for i in range(len(tensors))]
         nodes = iter(add_placeholders(new_gm.graph, names, tensors))
         weights = [[next(nodes), next(nodes), next(nodes) if qt.scale2 is not None else None] for qt in qtensors]
