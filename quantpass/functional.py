@@ -19,9 +19,11 @@ def _prepare(weight: QTensor, backend: str) -> QTensor:
     key = (id(weight), backend)
     entry = _prepared.get(key)
     if entry is not None and entry[0]() is weight:
-        return entry[1]
+        return weight if entry[1] is None else entry[1]
     prepared = ops.prepare_weight(backend, "linear", weight)
-    _prepared[key] = (weakref.ref(weight, lambda _, key=key: _prepared.pop(key, None)), prepared)
+    # identity preparations store None: holding `weight` itself would keep it alive forever
+    kept = None if prepared is weight else prepared
+    _prepared[key] = (weakref.ref(weight, lambda _, key=key: _prepared.pop(key, None)), kept)
     return prepared
 
 
