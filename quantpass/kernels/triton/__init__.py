@@ -1,0 +1,149 @@
+"""The `triton` backend: our Triton kernels for quantized linear and fused-MoE sites.
+
+Files: `quant.py` (activation quantization), `gemm.py` (one GEMM kernel family, dense or routed),
+`scheme.py` (key pair -> kernel flags), `moe_align.py` (token sorting), `moe.py` (fused MoE),
+`tuning.py` + `configs/*.json` (launch configs), `elements.py` (shared element encodings).
+
+Where it runs (`supports`): CUDA SM80+, with FP8 e4m3 data (FP8 and MXFP8 operands, NVFP4's
+e4m3 scales) on SM89+ since Triton has no e4m3 type below; MX pairs use `tl.dot_scaled`, native on
+SM100 and upcast to bf16 by Triton before the MMA below it. On CPU only under Triton's interpreter
+(`TRITON_INTERPRET=1`), which the oracle never picks by itself: it is for tests. No shape rules:
+weights arrive with K padded to their group (formats.py) and every load is masked, so any M, N, K.
+
+This module imports no triton at import time (DESIGN.md §3): kernels live in submodules loaded on
+first use. On CUDA the graph ops are `torch.library.triton_op`s, so Inductor sees the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...quant_registry.keys import QuantKey
+from ...quant_registry.qtensor import QTensor
+from .scheme import GemmScheme, activation_scheme, gemm_scheme
+
+Tensor = torch.Tensor  # module level: the triton_op annotations below are resolved here
+DEVICES = "cuda sm80+ (FP8 data sm89+; MX native on sm100, emulated below); cpu under TRITON_INTERPRET=1 (tests)"
+KINDS = ("linear", "moe")
+
+
+def supports(kind, capability, weight: QuantKey, activation: QuantKey | None, problem) -> tuple[bool, str]:
+    if kind not in KINDS:
+        return False, f"no Triton kernel for site kind {kind!r}"
+    scheme = gemm_scheme(weight, activation)
+    if isinstance(scheme, str):
+        return False, scheme
+    if activation is not None and isinstance(why := activation_scheme(activation), str):
+        return False, why
+    if "triton" not in capability.libs:
+        return False, "triton is not installed"
+    if capability.device == "cpu":
+        if not capability.triton_interpret:
+            return False, "needs CUDA, or TRITON_INTERPRET=1 on CPU"
+        return True, "Triton interpreter on CPU (~5 ms per program per K step: for tests)"
+    if capability.device != "cuda":
+        return False, f"needs CUDA (or the interpreter on CPU), not {capability.device}"
+    sm = capability.sm or 0
+    if sm < 80:
+        return False, f"needs SM80+ (bf16 tensor cores); this is sm{sm}"
+    if _has_e4m3(scheme) and sm < 89:
+        return False, f"FP8 e4m3 data needs SM89+ (Triton has no e4m3 type on sm{sm})"
+    if scheme.mode == "dot_scaled" and sm < 100:
+        return True, f"tl.dot_scaled, emulated on sm{sm} (Triton upcasts MX operands to bf16; native on SM100)"
+    return True, f"Triton {scheme.mode} GEMM ({scheme.name})"
+
+
+def _has_e4m3(scheme: GemmScheme) -> bool:
+    return scheme.a_format == "fp8" or scheme.b_format == "fp8" or scheme.has_scale2  # NVFP4: e4m3 scales
+
+
+def linear(x2d: torch.Tensor, weight: QTensor, activation_key: QuantKey | None, bias: torch.Tensor | None):
+    """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x.dtype: quantize the activation, then the GEMM."""
+    from .gemm import quantized_matmul
+    from .quant import quantize_activation
+
+    a = x2d if activation_key is None else quantize_activation(x2d, activation_key)
+    return quantized_matmul(a, weight, bias, x2d.dtype)
+
+
+def fused_moe(*args, **kwargs):
+    """hidden [T, H] -> [T, H] through the experts; arguments exactly as `reference.fused_moe`."""
+    from . import moe
+
+    return moe.fused_moe(*args, **kwargs)
+
+
+def graph_linear_op(device_type: str):
+    """On CUDA, a `triton_op` with `quantpass::linear`'s arguments (Inductor sees its kernels)."""
+    return _graph_ops()[0] if device_type == "cuda" else None
+
+
+def graph_moe_op(device_type: str):
+    """On CUDA, a `triton_op` with `quantpass::fused_moe`'s arguments; elsewhere None (the generic
+    custom op then calls `fused_moe`: DESIGN.md §7, triton_op can't be compiled on CPU)."""
+    return _graph_ops()[1] if device_type == "cuda" else None
+
+
+@functools.cache
+def _graph_ops():
+    """Register `quantpass::triton_linear` / `quantpass::triton_fused_moe` once, with the arguments of
+    `quantpass::linear` / `quantpass::fused_moe` (triton_op infers its schema from the annotations, so
+    they are spelled out; a test checks the schemas match). Their bodies run the eager launchers:
+    every kernel launch goes through `wrap_triton`."""
+    from torch.library import triton_op
+
+    from .. import ops
+
+    @triton_op("quantpass::triton_linear", mutates_args=())
+    def triton_linear(
+        x: Tensor,
+        w_data: Tensor,
+        w_scale: Tensor,
+        w_scale2: Tensor | None,
+        bias: Tensor | None,
+        weight_key: str,
+        activation_key: str,
+        backend: str,
+        out_features: int,
+    ) -> Tensor:
+        weight = ops.weight_view(w_data, w_scale, w_scale2, weight_key, out_features, x.shape[-1], x.dtype)
+        out = linear(x.reshape(-1, x.shape[-1]), weight, ops.key_from_arg(activation_key), bias)
+        return out.reshape(*x.shape[:-1], out_features)
+
+    @triton_op("quantpass::triton_fused_moe", mutates_args=())
+    def triton_fused_moe(
+        hidden: Tensor,
+        topk_weights: Tensor,
+        topk_ids: Tensor,
+        w13_data: Tensor,
+        w13_scale: Tensor,
+        w13_scale2: Tensor | None,
+        w2_data: Tensor,
+        w2_scale: Tensor,
+        w2_scale2: Tensor | None,
+        b13: Tensor | None,
+        b2: Tensor | None,
+        expert_map: Tensor | None,
+        weight_key: str,
+        activation_key: str,
+        backend: str,
+        activation: str,
+        gate_up_layout: str,
+        apply_router_weight_on_input: bool,
+        intermediate_size: int,
+        alpha: float,
+        limit: float,
+    ) -> Tensor:
+        hidden_size, dtype = hidden.shape[-1], hidden.dtype
+        w13 = ops.weight_view(w13_data, w13_scale, w13_scale2, weight_key, 2 * intermediate_size, hidden_size, dtype)
+        w2 = ops.weight_view(w2_data, w2_scale, w2_scale2, weight_key, hidden_size, intermediate_size, dtype)
+        flat = hidden.reshape(-1, hidden_size)
+        routing = (topk_weights.reshape(flat.shape[0], -1), topk_ids.reshape(flat.shape[0], -1))
+        key = ops.key_from_arg(activation_key)
+        gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
+        out = fused_moe(flat, *routing, w13, w2, b13, b2, expert_map, key, *gated)
+        return out.reshape(hidden.shape)
+
+    return torch.ops.quantpass.triton_linear.default, torch.ops.quantpass.triton_fused_moe.default

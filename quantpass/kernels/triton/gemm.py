@@ -1,0 +1,359 @@
+"""One parametrised GEMM kernel for every quantized pair, dense or routed (MoE experts).
+
+C[M, N] = A[M, K] @ B[N, K]^T with A the activation (float, or FP8 / INT8 from `quant.py`) and B a
+quantized weight in the layout `formats.quantize` produces (K padded to the key's group, 4-bit
+elements packed two per byte along K, low nibble first). `scheme.GemmScheme` turns the key pair
+into constexpr flags; Triton compiles one specialisation per flag set, so a flag costs nothing at
+run time. Where each scale is applied:
+
+- per-row / per-tensor scales (A's per-token, B's per-channel, NVFP4's global) in the epilogue;
+- 1x128 activation groups and 128x128 weight blocks once per K step, on that step's partial
+  product (BLOCK_K divides the groups so a step never straddles two);
+- MX e8m0 scales by `tl.dot_scaled` itself (native on SM100, upcast by Triton below);
+- weight-only K-group scales (INT4 per 128, NVFP4 per 16) on the dequantized tile before `tl.dot`.
+
+Routed mode (fused MoE, DESIGN.md §6): rows come from `moe_align`'s `sorted_ids` (pair ids
+`token * top_k + slot`, padded per expert with the sentinel `num_pairs`), each BLOCK_M block reads
+one expert's weights (`expert_ids`; -1 = the expert lives elsewhere: the block writes zeros), A's
+row is `pair // TOP_K`, C's row is the pair. Row and expert offsets are int64: `pair * stride` and
+`expert * stride_be` pass 2^31 at real sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch.library import wrap_triton
+
+from ... import envs
+from ...quant_registry.qtensor import QTensor
+from ..reference import ACTIVATIONS, GATE_UP_LAYOUTS
+from . import tuning
+from .elements import e2m1_to_float, to_output, unpack_nibbles
+from .scheme import GemmScheme, gemm_scheme
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr,  # [M or T, K_A]: float, fp8 or int8
+    a_scale_ptr,  # row: [M, 1] / [1, 1]; group, mx: [M, K / group]
+    b_ptr,  # [E?, N, K] (4-bit: [E?, N, K / 2] uint8)
+    b_scale_ptr,  # row: [E?, N or 1, 1]; block / group / mx: [E?, N / rows, K / cols]
+    b_scale2_ptr,  # [E?, 1, 1] fp32 (NVFP4 global scale)
+    bias_ptr,  # [E?, N]
+    c_ptr,  # [M, N]
+    sorted_ids_ptr,  # routed: [EM] int32 pair ids grouped by expert
+    expert_ids_ptr,  # routed: [EM / BLOCK_M] int32 local expert per block, -1 = not local
+    num_padded_ptr,  # routed: [1] int32 slots in use
+    router_weights_ptr,  # routed: [M] (topk_weights flattened), multiplied in fp32 before the cast
+    M,  # rows of C (routed: token-expert pairs; also the padding sentinel)
+    N,  # columns of C (gated: half of B's rows)
+    K,  # B's K in elements, padded to its group: the loop's extent
+    K_A,  # columns A holds (a float A is not padded: loads past it read 0)
+    EM,  # rows to walk: M (dense) or len(sorted_ids) (routed)
+    stride_am,
+    stride_ak,
+    stride_asm,  # 0 for a per-tensor scale
+    stride_ask,
+    stride_be,
+    stride_bn,
+    stride_bk,  # along K, in bytes for packed 4-bit data
+    stride_bse,
+    stride_bsn,  # 0 for a per-tensor scale
+    stride_bsk,
+    stride_bs2e,
+    stride_biase,
+    stride_cm,
+    stride_cn,
+    alpha,  # swigluoai
+    limit,
+    A_FORMAT: tl.constexpr,
+    A_SCALE: tl.constexpr,
+    B_FORMAT: tl.constexpr,
+    B_SCALE: tl.constexpr,
+    MODE: tl.constexpr,
+    A_GROUP_K: tl.constexpr,
+    B_GROUP_N: tl.constexpr,
+    B_GROUP_K: tl.constexpr,
+    HAS_SCALE2: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ROUTED: tl.constexpr,
+    TOP_K: tl.constexpr,  # pairs per A row (routed)
+    MUL_ROUTER_WEIGHT: tl.constexpr,
+    ACTIVATION: tl.constexpr,  # "none", or the MoE gated activation fused into the epilogue (GEMM1)
+    GATE_UP_LAYOUT: tl.constexpr,  # "concat": B = [gate; up]; "interleaved": gate rows even, up rows odd
+    DOT_FORMAT: tl.constexpr,  # dot_scaled's A format ("e4m3", "bf16", "fp16"); dequant: "fp32" or A's type
+    EXACT: tl.constexpr,  # interpreter: round the output cast by hand (elements.py)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+):
+    # Grouped launch order: GROUP_M row blocks share each column block, so B tiles are reused from L2.
+    OUT_N: tl.constexpr = BLOCK_N // 2 if ACTIVATION != "none" else BLOCK_N  # C columns per program
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(EM, BLOCK_M)
+    num_pid_n = tl.cdiv(N, OUT_N)
+    first_pid_m = (pid // (GROUP_M * num_pid_n)) * GROUP_M
+    group_size_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % (GROUP_M * num_pid_n)) % group_size_m
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size_m
+
+    offs_out = pid_n * OUT_N + tl.arange(0, OUT_N)  # C's columns
+    if ACTIVATION != "none":  # B rows of the tile: OUT_N gate rows, then the matching OUT_N up rows
+        tile_col = tl.arange(0, BLOCK_N)
+        out_col = pid_n * OUT_N + tile_col % OUT_N
+        is_up = (tile_col >= OUT_N).to(tl.int32)
+        offs_n = out_col + is_up * N if GATE_UP_LAYOUT == "concat" else 2 * out_col + is_up
+        n_mask = out_col < N
+    else:
+        offs_n = offs_out
+        n_mask = offs_out < N
+    if ROUTED:
+        if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
+            return
+        rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_mask = rows < M
+        expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_out[None, :] * stride_cn
+        c_mask = row_mask[:, None] & (offs_out[None, :] < N)
+        if expert == -1:  # not a local expert: its pairs contribute zeros (expert parallelism)
+            tl.store(c_ptrs, tl.zeros((BLOCK_M, OUT_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
+            return
+        a_rows = rows // TOP_K
+    else:
+        rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+        row_mask = rows < M
+        expert = 0
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_out[None, :] * stride_cn
+        c_mask = row_mask[:, None] & (offs_out[None, :] < N)
+        a_rows = rows
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am
+    b_base = b_ptr + expert * stride_be
+    b_scale_base = b_scale_ptr + expert * stride_bse
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if A_FORMAT == "int8" else tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptrs + offs_k[None, :] * stride_ak, mask=row_mask[:, None] & (offs_k[None, :] < K_A), other=0.0)
+        if B_FORMAT == "int4" or B_FORMAT == "e2m1":  # [BLOCK_K / 2, BLOCK_N] bytes
+            offs_kb = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+            b_mask = (offs_kb[:, None] < K // 2) & n_mask[None, :]
+            b = tl.load(b_base + offs_kb[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=b_mask, other=0.0)
+        else:  # [BLOCK_K, BLOCK_N]: B^T's tile, read from B's rows
+            b_mask = (offs_k[:, None] < K) & n_mask[None, :]
+            b = tl.load(b_base + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn, mask=b_mask, other=0.0)
+        if MODE == "dot_scaled":
+            offs_ks = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+            ks_mask = offs_ks < K // 32
+            b_scale_ptrs = b_scale_base + offs_n[:, None] * stride_bsn + offs_ks[None, :] * stride_bsk
+            b_s = tl.load(b_scale_ptrs, mask=n_mask[:, None] & ks_mask[None, :], other=127)  # 127: 2^0
+            a_s = None
+            if A_SCALE == "mx":
+                a_scale_ptrs = a_scale_ptr + a_rows[:, None] * stride_asm + offs_ks[None, :] * stride_ask
+                a_s = tl.load(a_scale_ptrs, mask=row_mask[:, None] & ks_mask[None, :], other=127)
+            acc = tl.dot_scaled(a, a_s, DOT_FORMAT, b, b_s, "e2m1" if B_FORMAT == "e2m1" else "e4m3", acc)
+        elif MODE == "dot":
+            if A_SCALE == "group" or B_SCALE == "block":  # this K step's scales, on its partial product
+                step = tl.dot(a, b).to(tl.float32)
+                if A_SCALE == "group":
+                    a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // A_GROUP_K) * stride_ask, mask=row_mask)
+                    step = step * a_s[:, None]
+                if B_SCALE == "block":
+                    b_scale_ptrs = b_scale_base + (offs_n // B_GROUP_N) * stride_bsn + (k0 // B_GROUP_K) * stride_bsk
+                    step = step * tl.load(b_scale_ptrs, mask=n_mask)[None, :]
+                acc += step
+            else:
+                acc = tl.dot(a, b, acc)  # fp8: fp32 accumulator; int8: int32
+        else:  # dequant: decode B's tile to fp32, apply its K-group scales, then an ordinary dot
+            if B_FORMAT == "int4":
+                w = (unpack_nibbles(b).to(tl.int32) - 8).to(tl.float32)
+            elif B_FORMAT == "e2m1":
+                w = e2m1_to_float(unpack_nibbles(b))
+            else:
+                w = b.to(tl.float32)
+            if B_SCALE == "group" or B_SCALE == "block":
+                group_ptrs = (offs_n[None, :] // B_GROUP_N) * stride_bsn + (offs_k[:, None] // B_GROUP_K) * stride_bsk
+                k_mask = (offs_k[:, None] < K) & n_mask[None, :]
+                w = w * tl.load(b_scale_base + group_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            if DOT_FORMAT == "fp32":  # fp32 activations, or the interpreter (its bf16 dot is broken)
+                acc = tl.dot(a.to(tl.float32), w, acc)
+            else:
+                acc = tl.dot(a, w.to(a.dtype), acc)
+
+    acc = acc.to(tl.float32)
+    if A_SCALE == "row":
+        acc = acc * tl.load(a_scale_ptr + a_rows * stride_asm, mask=row_mask, other=0.0)[:, None]
+    if B_SCALE == "row":
+        acc = acc * tl.load(b_scale_base + offs_n * stride_bsn, mask=n_mask, other=0.0)[None, :]
+    if HAS_SCALE2:
+        acc = acc * tl.load(b_scale2_ptr + expert * stride_bs2e)
+    if HAS_BIAS:
+        acc = acc + tl.load(bias_ptr + expert * stride_biase + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if MUL_ROUTER_WEIGHT:  # after the bias, as the reference does: y = (x @ w2^T + b2) * weight
+        acc = acc * tl.load(router_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+    if ACTIVATION != "none":  # [BM, gate | up] -> act(gate) * up, in fp32 as the reference
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, OUT_N)), (0, 2, 1)))
+        acc = _gated_activation(gate, up, ACTIVATION, alpha, limit)
+    tl.store(c_ptrs, to_output(acc, c_ptr.dtype.element_ty, EXACT), mask=c_mask)
+
+
+@triton.jit
+def _gated_activation(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
+    """[BM, OUT_N] gate and up projections (fp32) -> the MoE activation, as `reference.gated_activation`."""
+    if ACTIVATION == "silu":
+        out = gate * tl.sigmoid(gate) * up
+    elif ACTIVATION == "gelu":  # erf form, as F.gelu
+        out = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
+    elif ACTIVATION == "gelu_tanh":  # 0.5 * (1 + tanh(u)) == sigmoid(2u), u = sqrt(2/pi) * (g + 0.044715 g^3)
+        out = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
+    else:  # swigluoai (GPT-OSS): clamped, (up + 1) * gate * sigmoid(alpha * gate)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        out = (up + 1.0) * (gate * tl.sigmoid(gate * alpha))
+    return out
+
+
+def quantized_matmul(
+    a: torch.Tensor | QTensor,
+    weight: QTensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    *,
+    routing=None,
+    router_weights: torch.Tensor | None = None,
+    activation: str | None = None,
+    gate_up_layout: str = "concat",
+    alpha: float = 1.702,
+    limit: float = 7.0,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """a [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in `out_dtype` (default: a's float dtype).
+
+    `a` is a float tensor (weight-only and MX x BF16 pairs) or the QTensor `quantize_activation`
+    returns. Routed (fused MoE): `weight` is [E, N, K], `bias` [E, N], `routing` a
+    `moe_align.Routing` over pairs `token * top_k + slot`; a has one row per token (or per pair) and
+    the result has one row per pair, scaled by `router_weights` [pairs] when given. `activation`
+    (MoE GEMM1) fuses the gated activation into the epilogue: the weight's N rows are gate and up
+    projections in `gate_up_layout` and the result has N / 2 columns. `config`
+    (BLOCK_M/N/K, GROUP_M, num_warps, num_stages) is required when routed (BLOCK_M = the routing's).
+    """
+    a_data, a_scale, a_key = (a.data, a.scale, a.key) if isinstance(a, QTensor) else (a, None, None)
+    scheme = gemm_scheme(weight.key, a_key)
+    if isinstance(scheme, str):
+        raise ValueError(scheme)
+    routed = routing is not None
+    batch = 1 if routed else 0
+    if weight.data.dim() != 2 + batch or a_data.dim() != 2:
+        raise ValueError(f"{'routed' if routed else 'dense'} GEMM wants a 2-D A and a {2 + batch}-D weight")
+    n, k = weight.shape[-2], weight.shape[-1]
+    if activation is not None:
+        if activation not in ACTIVATIONS or gate_up_layout not in GATE_UP_LAYOUTS:
+            raise ValueError(
+                f"invalid gated activation {activation!r} / layout {gate_up_layout!r}; valid: "
+                f"{', '.join(ACTIVATIONS)} / {', '.join(GATE_UP_LAYOUTS)}"
+            )
+        if n % 2:
+            raise ValueError(f"a gated GEMM needs an even number of weight rows (gate and up), got {n}")
+        n //= 2
+    a_cols = a.shape[-1] if isinstance(a, QTensor) else a_data.shape[-1]
+    if a_cols != k:
+        raise ValueError(f"A has K={a_cols} but the weight {tuple(weight.shape)} has K={k}")
+    out_dtype = out_dtype or (a.dtype if isinstance(a, QTensor) else a_data.dtype)
+    if scheme.mode == "dot_scaled" and a_data.dtype == torch.float32:
+        a_data = a_data.to(torch.bfloat16)  # dot_scaled takes bf16/fp16 beside MX operands
+    data_k = weight.data.shape[-1] * (2 if scheme.b_format in ("int4", "e2m1") else 1)
+    rows = routing.num_pairs if routed else a_data.shape[0]
+    c = torch.empty((rows, n), dtype=out_dtype, device=a_data.device)
+    if rows == 0 or n == 0:
+        return c
+    interpret = envs.triton_interpret()
+    if routed:
+        if config is None or config["BLOCK_M"] != routing.block_m:
+            raise ValueError("a routed GEMM needs a config whose BLOCK_M is the routing's block_m")
+        if rows % a_data.shape[0]:
+            raise ValueError(f"{rows} pairs is not a multiple of A's {a_data.shape[0]} rows")
+        em, top_k = routing.sorted_ids.numel(), rows // a_data.shape[0]
+        index = (routing.sorted_ids, routing.expert_ids, routing.num_padded)
+    else:
+        em, top_k, index = rows, 1, (c, c, c)  # unused pointers (never read when not ROUTED)
+    if router_weights is not None:
+        router_weights = router_weights.reshape(-1).contiguous()
+    b_scale2 = weight.scale2 if weight.scale2 is not None else weight.scale
+    flags = dict(
+        A_FORMAT=scheme.a_format,
+        A_SCALE=scheme.a_scale,
+        B_FORMAT=scheme.b_format,
+        B_SCALE=scheme.b_scale,
+        MODE=scheme.mode,
+        A_GROUP_K=max(scheme.a_group_k, 1),
+        B_GROUP_N=scheme.b_group[0],
+        B_GROUP_K=scheme.b_group[1],
+        HAS_SCALE2=scheme.has_scale2,
+        HAS_BIAS=bias is not None,
+        ROUTED=routed,
+        TOP_K=top_k,
+        MUL_ROUTER_WEIGHT=router_weights is not None,
+        ACTIVATION=activation or "none",
+        GATE_UP_LAYOUT=gate_up_layout,
+        DOT_FORMAT=_dot_format(scheme, a_data.dtype, interpret),
+        EXACT=interpret,
+    )
+    args = (
+        a_data,
+        a_scale if a_scale is not None else a_data,
+        weight.data,
+        weight.scale,
+        b_scale2,
+        bias if bias is not None else c,
+        c,
+        *index,
+        router_weights if router_weights is not None else c,
+        rows,
+        n,
+        data_k,
+        a_data.shape[1],
+        em,
+        a_data.stride(0),
+        a_data.stride(1),
+        *(_scale_strides(a_scale)[1:] if a_scale is not None else (0, 0)),
+        weight.data.stride(0) if routed else 0,
+        weight.data.stride(-2),
+        weight.data.stride(-1),
+        *_scale_strides(weight.scale, batch),
+        weight.scale2.stride(0) if routed and weight.scale2 is not None else 0,
+        bias.stride(0) if routed and bias is not None else 0,
+        c.stride(0),
+        c.stride(1),
+        float(alpha),
+        float(limit),
+    )
+    split = 1 if activation is None else 2  # gated: a program's BLOCK_N B rows make BLOCK_N / 2 outputs
+    if config is None and not interpret:  # dense on CUDA: autotuned over the named configs
+        kernel = tuning.autotuned(_gemm_kernel, scheme, n, data_k, tuning.m_bucket(rows))
+        grid = lambda meta: (triton.cdiv(em, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"] // split),)  # noqa: E731
+        wrap_triton(kernel)[grid](*args, **flags)
+        return c
+    config = tuning.fit_block_k(dict(config or tuning.interpreter_config(rows, n)), scheme)
+    meta = {key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+    launch = {key: config[key] for key in ("num_warps", "num_stages") if key in config and not interpret}
+    grid = (triton.cdiv(em, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"] // split),)
+    wrap_triton(_gemm_kernel)[grid](*args, **flags, **meta, **launch)
+    return c
+
+
+def _dot_format(scheme: GemmScheme, a_dtype: torch.dtype, interpret: bool) -> str:
+    if scheme.mode == "dot_scaled":
+        return "e4m3" if scheme.a_scale == "mx" else {torch.float16: "fp16"}.get(a_dtype, "bf16")
+    if scheme.mode == "dequant" and (interpret or a_dtype == torch.float32):
+        return "fp32"
+    return "native"
+
+
+def _scale_strides(scale: torch.Tensor, batch: int = 0) -> tuple[int, int, int]:
+    """(batch, row, col) strides of a scale tensor, 0 along an extent of 1 (per-tensor broadcasts)."""
+    if scale.dim() != 2 + batch:
+        raise ValueError(f"scale of shape {tuple(scale.shape)} should have {2 + batch} dims")
+    strides = tuple(0 if size == 1 else stride for size, stride in zip(scale.shape, scale.stride()))
+    return strides if batch else (0, *strides)

@@ -1,0 +1,151 @@
+"""Launch configs for the GEMM kernel: tuned JSON for the fused MoE, named heuristics, autotune lists.
+
+A config is a dict of BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages.
+
+- Fused MoE: `moe_config` reads `configs/E={E},N={N},device_name={device},dtype={dtype}[,block_shape=[r,c]].json`
+  (N = the intermediate size, dtype = `GemmScheme.name`), `{"source": how it was made, "configs":
+  {M: config}}`, and takes the entry whose M is nearest the token count. Without a file it falls back
+  to `default_moe_config`. Produce a file with `write_moe_configs` (a tuning sweep on the target GPU).
+- Dense GEMM on CUDA: `triton.autotune` over `dense_gemm_configs(N, K, bucketed M)`.
+- Under the interpreter: `interpreter_config` (its cost is per program and per K step: few, big blocks).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+from .scheme import GemmScheme
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+M_BUCKETS = (16, 64, 256, 1024, 4096)  # decode, small batch, ..., prefill: one autotune run per bucket
+
+
+def m_bucket(m: int) -> int:
+    return next((bucket for bucket in M_BUCKETS if m <= bucket), M_BUCKETS[-1])
+
+
+def _config(block_m, block_n, block_k, group_m=8, num_warps=4, num_stages=3) -> dict:
+    return dict(
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=group_m, num_warps=num_warps, num_stages=num_stages
+    )
+
+
+def fit_block_k(config: dict, scheme: GemmScheme) -> dict:
+    """Clamp BLOCK_K to what the scheme allows: a K step must sit inside one scale group when scales are
+    applied per step (1x128 activations, 128x128 blocks), and cover whole e8m0 groups for MX."""
+    limits = [
+        scheme.a_group_k if scheme.a_scale == "group" else 0,
+        scheme.b_group[1] if scheme.b_scale == "block" else 0,
+    ]
+    if scheme.mode == "dot" and any(limits):
+        config["BLOCK_K"] = min([config["BLOCK_K"], *[limit for limit in limits if limit]])
+    if scheme.mode == "dot_scaled":
+        config["BLOCK_K"] = max(config["BLOCK_K"], 32)
+    return config
+
+
+def interpreter_config(m: int, n: int) -> dict:
+    """TRITON_INTERPRET=1: ~5 ms per program per K step almost regardless of tile size (numpy on
+    tiles), so cover small test shapes with few programs; BLOCK_M 16 keeps tl.dot's GPU minimum."""
+    block_m = min(max(16, 1 << max(m - 1, 0).bit_length()), 64)
+    block_n = min(max(16, 1 << max(n - 1, 0).bit_length()), 128)
+    return _config(block_m, block_n, 64, group_m=1)
+
+
+def dense_gemm_configs(n: int, k: int, m_bucket: int) -> list[dict]:
+    """Autotune candidates for a dense GEMM on CUDA, keyed on (N, K, bucketed M).
+
+    Decode (M <= 16) is bound by weight bytes: narrow BLOCK_M, long K steps, several N widths. Larger
+    M is compute bound: the usual 128x128/128x256 tiles (Triton tutorial / vLLM defaults; untuned here,
+    no GPU was available when this was written).
+    """
+    if m_bucket <= 16:
+        configs = [_config(16, bn, bk, 1, 4, stages) for bn in (32, 64, 128) for bk in (128, 256) for stages in (3, 5)]
+    elif m_bucket <= 64:
+        configs = [_config(bm, bn, 128, 8, 4, stages) for bm in (32, 64) for bn in (64, 128) for stages in (3, 4)]
+    else:
+        configs = [_config(128, bn, bk, 8, warps, 3) for bn in (128, 256) for bk in (64, 128) for warps in (4, 8)]
+        configs += [_config(64, 128, 128, 8, 4, 4)]
+    if n < 128:  # no tile wider than the matrix
+        configs = [c for c in configs if c["BLOCK_N"] <= max(32, n)] or configs[:1]
+    return configs
+
+
+@functools.cache
+def autotuned(kernel, scheme: GemmScheme, n: int, k: int, bucket: int):
+    """`triton.autotune` over `dense_gemm_configs`, one tuner per (scheme, N, K, M bucket)."""
+    import triton
+
+    configs, seen = [], set()
+    for config in dense_gemm_configs(n, k, bucket):
+        config = fit_block_k(config, scheme)
+        meta = {key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+        token = (*meta.values(), config["num_warps"], config["num_stages"])
+        if token not in seen:
+            seen.add(token)
+            configs.append(triton.Config(meta, num_warps=config["num_warps"], num_stages=config["num_stages"]))
+    return triton.autotune(configs=configs, key=[])(kernel)
+
+
+def default_moe_config(tokens: int, num_experts: int, top_k: int, scheme: GemmScheme) -> dict:
+    """Heuristic fused-MoE config (vLLM's defaults in spirit; untuned: no GPU here when written).
+
+    Rows per expert ~ tokens * top_k / E sets BLOCK_M: decode gets 16-row blocks (tl.dot's minimum),
+    prefill 64. Block-FP8 keeps BLOCK_K = 128, its scale group.
+    """
+    rows_per_expert = tokens * top_k / max(num_experts, 1)
+    if rows_per_expert <= 16:
+        config = _config(16, 64, 128, 1, 4, 4)
+    elif rows_per_expert <= 128:
+        config = _config(32, 64, 128, 8, 4, 3)
+    else:
+        config = _config(64, 128, 128, 8, 8, 3)
+    return fit_block_k(config, scheme)
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name().replace(" ", "_")
+    return "cpu"
+
+
+def config_file_name(num_experts: int, n: int, device: str, dtype: str, block_shape: tuple[int, int] | None) -> str:
+    block = "" if block_shape is None else f",block_shape=[{block_shape[0]},{block_shape[1]}]"
+    return f"E={num_experts},N={n},device_name={device},dtype={dtype}{block}.json"
+
+
+@functools.cache
+def _load(path: Path) -> dict[int, dict] | None:
+    if not path.is_file():
+        return None
+    table = json.loads(path.read_text())
+    return {int(m): config for m, config in table["configs"].items()}
+
+
+def moe_config(
+    tokens: int,
+    num_experts: int,
+    top_k: int,
+    intermediate_size: int,
+    scheme: GemmScheme,
+    device: str | None = None,
+    config_dir: Path | None = None,
+) -> dict:
+    """The tuned config of the nearest M in this shape's JSON file, else `default_moe_config`."""
+    block_shape = scheme.b_group if scheme.b_scale == "block" else None
+    name = config_file_name(num_experts, intermediate_size, device or device_name(), scheme.name, block_shape)
+    table = _load((config_dir or CONFIG_DIR) / name)
+    if table:
+        nearest = min(table, key=lambda m: (abs(m - tokens), m))
+        return fit_block_k({**default_moe_config(tokens, num_experts, top_k, scheme), **table[nearest]}, scheme)
+    return default_moe_config(tokens, num_experts, top_k, scheme)
+
+
+def write_moe_configs(path: Path, configs: dict[int, dict], source: str) -> None:
+    """Write a config file; `source` says how the numbers were produced (a sweep, or defaults)."""
+    table = {"source": source, "configs": {str(m): configs[m] for m in sorted(configs)}}
+    path.write_text(json.dumps(table, indent=1) + "\n")
