@@ -53,7 +53,7 @@ def interpreter_config(m: int, n: int) -> dict:
     tiles), so cover small test shapes with few programs; BLOCK_M 16 keeps tl.dot's GPU minimum."""
     block_m = min(max(16, 1 << max(m - 1, 0).bit_length()), 64)
     block_n = min(max(16, 1 << max(n - 1, 0).bit_length()), 128)
-    return _config(block_m, block_n, 64, group_m=1)
+    return _config(block_m, block_n, 128, group_m=1)
 
 
 def dense_gemm_configs(n: int, k: int, m_bucket: int) -> list[dict]:

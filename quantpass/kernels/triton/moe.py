@@ -1,0 +1,96 @@
+"""Fused MoE on the routed GEMM (DESIGN.md §6): the experts of one layer, routing already done.
+
+    hidden [T, H] --quantize--> routed GEMM1 (w13 [E, 2I, H], + b13, gated activation in the
+      epilogue) --> [T*k, I] --quantize--> routed GEMM2 (w2 [E, H, I], + b2, x router weight)
+      --> [T*k, H] --sum over top-k--> [T, H]
+
+The gated activation (silu / gelu / gelu_tanh / swigluoai; gate and up "concat" or "interleaved")
+runs on GEMM1's fp32 accumulators: each program loads the gate rows and the matching up rows of
+w13, so the [T*k, 2I] projections are never written (half the bytes; and the activation sees fp32,
+as in the reference, before the one cast to the hidden dtype).
+
+Rows of the intermediates are token-expert pairs `token * top_k + slot`; `moe_align` groups them by
+expert into BLOCK_M blocks (or, at decode, one pair per block). The router weight multiplies GEMM2's
+fp32 accumulator before the cast (or the input, with `apply_router_weight_on_input`). Non-local
+experts (expert map -1) give zero rows. Per-tensor activation scales are global over all tokens
+(one scale for GEMM1's input, one for GEMM2's), where the reference quantizes per expert: results
+differ at the FP8 noise level, not by rounding (the tests say so).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import envs
+from ...quant_registry.keys import QuantKey
+from ...quant_registry.qtensor import QTensor
+from . import tuning
+from .gemm import quantized_matmul
+from .moe_align import decode_routing, local_expert_ids, moe_align
+from .quant import quantize_activation
+from .scheme import gemm_scheme
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: QTensor,
+    w2: QTensor,
+    b13: torch.Tensor | None,
+    b2: torch.Tensor | None,
+    expert_map: torch.Tensor | None,
+    activation_key: QuantKey | None,
+    activation: str,
+    gate_up_layout: str,
+    apply_router_weight_on_input: bool,
+    alpha: float,
+    limit: float,
+    *,
+    config: dict | None = None,
+    decode: bool | None = None,
+) -> torch.Tensor:
+    """hidden [T, H], topk_weights/ids [T, k] -> [T, H]; arguments as `reference.fused_moe`.
+
+    `config` overrides the launch config (else `tuning.moe_config`, or the interpreter's); `decode`
+    forces (True) or forbids (False) the one-pair-per-block shortcut, taken by default when
+    tokens * top_k <= local experts.
+    """
+    scheme = gemm_scheme(w13.key, activation_key)
+    if isinstance(scheme, str):
+        raise ValueError(scheme)
+    if w13.data.dim() != 3 or w2.data.dim() != 3 or hidden.dim() != 2 or topk_ids.shape != topk_weights.shape:
+        raise ValueError(
+            f"fused_moe wants hidden [T, H], top-k [T, k], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(hidden.shape)}, "
+            f"{tuple(topk_ids.shape)}, {tuple(w13.shape)}, {tuple(w2.shape)}"
+        )
+    tokens, hidden_size = hidden.shape
+    top_k = topk_ids.shape[1]
+    num_experts, intermediate = w13.data.shape[0], w2.shape[-1]
+    if tuple(w13.shape[1:]) != (2 * intermediate, hidden_size) or w2.shape[-2] != hidden_size:
+        raise ValueError(f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} don't match hidden size {hidden_size}")
+    num_pairs = tokens * top_k
+    if decode is None:
+        decode = num_pairs <= num_experts
+    interpret = envs.triton_interpret()
+    if config is None and interpret:
+        config = dict(tuning.interpreter_config(16, 2 * intermediate), BLOCK_M=16)
+    elif config is None:
+        config = tuning.moe_config(tokens, num_experts, top_k, intermediate, scheme)
+    local_ids = local_expert_ids(topk_ids, expert_map)
+    if decode:
+        routing = decode_routing(local_ids, config["BLOCK_M"])
+    else:
+        routing = moe_align(local_ids, num_experts, config["BLOCK_M"])
+
+    x = hidden
+    if apply_router_weight_on_input:  # one A row per pair, already weighted (Llama-4 style)
+        x = hidden.float()[:, None, :] * topk_weights.float()[:, :, None]
+        x = x.to(hidden.dtype).reshape(num_pairs, hidden_size)
+    a1 = quantize_activation(x, activation_key) if activation_key is not None else x
+    gated = dict(activation=activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit)
+    act = quantized_matmul(a1, w13, b13, hidden.dtype, routing=routing, config=config, **gated)  # [pairs, I]
+    a2 = quantize_activation(act, activation_key) if activation_key is not None else act
+    router = None if apply_router_weight_on_input else topk_weights
+    y = quantized_matmul(a2, w2, b2, hidden.dtype, routing=routing, router_weights=router, config=config)
+    return y.view(tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
