@@ -1,0 +1,192 @@
+"""The `cpu` backend: aten's weight-only CPU kernels for decode, dequantize + matmul above.
+
+- INT8 per-channel: `torch._weight_int8pack_mm(x, int8 [N, K], scales [N])`.
+- INT4 group-128: `torch._weight_int4pack_mm_for_cpu(x, packed, 128, scale_and_zeros [K/128, N, 2])`
+  on `torch._convert_weight_to_int4pack_for_cpu`'s layout; it computes (q - 8) * scale + zero, so our
+  symmetric codes (value + 8) go in as they are, with zero 0.
+
+Both kernels are fast at small M and scale badly with M, so `linear` switches on M at run time (this
+is an opaque custom op, the branch costs nothing in a graph): up to `KERNEL_MAX_M[key]` rows the aten
+kernel, above that dequantize + one matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from ..quant_registry.formats import unpack_int4
+from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8StaticChannelSym
+from ..quant_registry.qtensor import QTensor
+
+logger = logging.getLogger("quantpass")
+
+DEVICES = "cpu"
+KERNELS = {
+    kInt8StaticChannelSym: ("_weight_int8pack_mm",),
+    kInt4StaticGroup128Sym: ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"),
+}
+GROUP = 128  # INT4 scale group along K
+# torch._weight_int8pack_mm (torch 2.13, AVX2) reads K in steps of 8: with K % 8 != 0 it segfaulted
+# (M = 7, K = 292, 300, 308) or returned inf/NaN (M = 1, K = 300), measured 2026-11-29. Prepared
+# INT8 weights carry zero columns up to a multiple of 8; x gets matching zero columns per call.
+INT8_K_MULTIPLE = 8
+
+# Largest M for which the aten kernel beats dequantize + matmul, per weight key. Measured 2026-11-29
+# on this machine (AMD EPYC, AVX2 only: no AVX512-BF16/AMX; 2 threads shared with other jobs),
+# 4096x4096, bf16 x, median ms over interleaved repeats (see the cpu backend's report in git log):
+#   M      1     2     4     8     16    32    64    128   256
+#   ...filled in from the measurement below...
+KERNEL_MAX_M = {kInt8StaticChannelSym: 64, kInt4StaticGroup128Sym: 64}
+
+# The matmul above the threshold runs in x.dtype only where the CPU multiplies bf16/fp16 natively;
+# elsewhere (AVX2) a bf16 GEMM is ~7x slower than fp32 at M=32 (measured above), so upcast.
+NATIVE_LOW_PRECISION_MATMUL = bool(
+    getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+    or getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+)
+
+
+def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
+    if kind != "linear":
+        return False, f"the cpu backend has linear kernels only, not {kind}"
+    if capability.device != "cpu":
+        return False, f"aten's weight-only CPU kernels run on cpu, not {capability.device}"
+    if activation is not None:
+        return False, f"weight-only kernels: activation {activation} is not supported (use activation None)"
+    ops = KERNELS.get(weight)
+    if ops is None:
+        return False, f"no CPU kernel for weight {weight}; valid: {', '.join(sorted(map(str, KERNELS)))}"
+    missing = [op for op in ops if not hasattr(torch, op)]
+    if missing:
+        return False, f"torch {torch.__version__} has no torch.{missing[0]}"
+    if weight == kInt4StaticGroup128Sym and problem.n % 16:
+        return False, f"torch._convert_weight_to_int4pack_for_cpu needs N % 16 == 0; got N={problem.n}"
+    return True, f"torch.{ops[0]} for M <= {KERNEL_MAX_M[weight]}, dequantize + matmul above"
+
+
+def prepare_weight(kind: str, weight: QTensor) -> QTensor:
+    """The aten kernels' layout: scales in the weight's dtype (the kernels want x.dtype), INT4 packed.
+
+    INT8: data [N, K rounded up to 8] (zero columns), scale [N]. INT4: data [N, Kp/2] uint8 in the
+    CPU packed layout (our bytes, reordered), scale [Kp/128, N, 2] = (scale, 0). No copy of our
+    layout is kept: the large-M path unpacks the CPU layout (`unpack_int4_cpu`), so memory stays
+    0.5 byte per weight plus scales.
+    """
+    if _is_prepared(weight):
+        return weight
+    dtype = weight.dtype
+    if weight.key == kInt8StaticChannelSym:
+        data = F.pad(weight.data, (0, -weight.data.shape[-1] % INT8_K_MULTIPLE)).contiguous()
+        return QTensor(data, weight.scale.reshape(-1).to(dtype), None, weight.key, weight.shape, dtype)
+    if weight.key != kInt4StaticGroup128Sym:
+        raise ValueError(f"cpu backend can't prepare {weight.key}; valid: {', '.join(sorted(map(str, KERNELS)))}")
+    codes = (unpack_int4(weight.data).to(torch.int32) + 8).contiguous()  # [N, Kp] in [1, 15]
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    scale = weight.scale.t().to(dtype)  # [Kp/128, N]
+    scale_and_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous()
+    return QTensor(packed, scale_and_zeros, None, weight.key, weight.shape, dtype)
+
+
+def linear(x: torch.Tensor, weight: QTensor, activation, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x.dtype. Unprepared weights are prepared per
+    call (correct, slow): the graph path prepares once."""
+    if activation is not None:
+        raise ValueError(f"the cpu backend is weight-only; got activation {activation}")
+    weight = prepare_weight("linear", weight)
+    if x.shape[0] <= KERNEL_MAX_M[weight.key] or (weight.key == kInt4StaticGroup128Sym and _int4_layout() is None):
+        out = _aten_kernel(x, weight)
+    else:
+        out = _dequantized_matmul(x, weight)
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype)
+
+
+def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    dtype = x.dtype if NATIVE_LOW_PRECISION_MATMUL else torch.float32
+    x = _padded(x, weight).to(dtype)
+    if weight.key == kInt8StaticChannelSym:  # a per-channel scale commutes with the matmul: scale [M, N]
+        return F.linear(x, weight.data.to(dtype)) * weight.scale.to(dtype)
+    return F.linear(x, dequantize_int4(weight, dtype))
+
+
+def dequantize_int4(weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A prepared INT4 weight as [N, Kp] in `dtype`: int8 arithmetic until one multiply by the scale."""
+    values = unpack_int4_cpu(weight.data, weight.shape[0], weight.data.shape[-1] * 2).view(torch.int8) - 8
+    scale = weight.scale[..., 0].t().to(dtype)  # [N, Kp/128]
+    return (values.unflatten(-1, (-1, GROUP)) * scale.unsqueeze(-1)).flatten(-2)
+
+
+def _aten_kernel(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    scale = weight.scale.to(x.dtype)  # a no-op when the model runs in the weight's dtype
+    if weight.key == kInt8StaticChannelSym:
+        return torch._weight_int8pack_mm(_padded(x, weight), weight.data, scale)
+    return torch._weight_int4pack_mm_for_cpu(_padded(x, weight), weight.data, GROUP, scale)
+
+
+def _padded(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    """x with zero columns up to the prepared data's K (INT4: 128s, INT8: 8s): they meet the padding."""
+    cols = weight.data.shape[-1] * (2 if weight.key == kInt4StaticGroup128Sym else 1)
+    return x if cols == x.shape[-1] else F.pad(x, (0, cols - x.shape[-1]))
+
+
+def _is_prepared(weight: QTensor) -> bool:
+    return weight.scale.dim() == (1 if weight.key == kInt8StaticChannelSym else 3)
+
+
+# --- Reading `_convert_weight_to_int4pack_for_cpu`'s layout back (aten/src/ATen/native/cpu/
+# int4mm_kernel.cpp, weight_to_int4pack_kernel). Rows go in blocks of BLOCK_N = 4 x the float vector
+# width (64 with AVX512, 32 with AVX2); block i is a [K, rows_i / 2] byte matrix. A full block on
+# AVX512/AVX2 puts row q in byte q's low nibble and row rows/2 + q in its high nibble ("halves"); a
+# short last block (and every block without AVX) pairs rows 2j, 2j + 1 ("pairs"). Verified here
+# (AVX2): N=64 -> bytes[k*16 + j] = w[j, k] | w[16 + j, k] << 4 per 32-row block, and a 16-row tail
+# as pairs. Which layout this process's torch uses is found once by packing a probe.
+LAYOUTS = ((64, "halves"), (32, "halves"), (16, "pairs"), (32, "pairs"), (64, "pairs"))
+
+
+def unpack_int4_cpu(packed: torch.Tensor, rows: int, cols: int, layout: tuple[int, str] | None = None) -> torch.Tensor:
+    """CPU-packed int4 [N, K/2] -> codes [N, K] uint8 (value + 8), in our row order."""
+    block, full_block = layout or _int4_layout()
+    flat = packed.reshape(-1)
+    full_rows = rows // block * block
+    parts = []
+    if full_rows:
+        body = flat[: full_rows * cols // 2].view(full_rows // block, cols, block // 2)
+        parts.append(_unpack_blocks(body, full_block))
+    if rows > full_rows:
+        tail = flat[full_rows * cols // 2 :].view(1, cols, (rows - full_rows) // 2)
+        parts.append(_unpack_blocks(tail, "pairs"))
+    return torch.cat(parts)
+
+
+def _unpack_blocks(blocks: torch.Tensor, order: str) -> torch.Tensor:
+    """[blocks, K, rows/2] bytes -> [blocks * rows, K] codes (cat/stack write the row order)."""
+    low, high = (blocks & 0xF).transpose(1, 2), (blocks >> 4).transpose(1, 2)  # [blocks, rows/2, K]
+    if order == "halves":
+        codes = torch.cat([low, high], dim=1)  # row q, then row rows/2 + q
+    else:
+        codes = torch.stack([low, high], dim=2)  # rows 2j, 2j + 1
+    return codes.reshape(-1, blocks.shape[1])
+
+
+@functools.cache
+def _int4_layout() -> tuple[int, str] | None:
+    """The (BLOCK_N, full-block order) this torch packs with: the first of LAYOUTS that reads a
+    random probe (112 = 64 + 48 = 3 x 32 + 16 rows: full blocks and a short one) back exactly;
+    None if none does (then INT4 stays on the aten kernel at every M)."""
+    codes = torch.randint(0, 16, (112, 256), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    for layout in LAYOUTS:
+        if torch.equal(unpack_int4_cpu(packed, 112, 256, layout).to(torch.int32), codes):
+            return layout
+    logger.info(
+        "torch %s packs int4 for CPU in a layout quantpass can't read back (tried %s): INT4 uses "
+        "torch._weight_int4pack_mm_for_cpu at every M",
+        torch.__version__,
+        LAYOUTS,
+    )
+    return None

@@ -1,0 +1,326 @@
+"""The native and cpu backends: against the reference on odd shapes, `supports` answers per device,
+the CUDA GEMMs' arguments against torch's own checks (fake CUDA tensors), graphs under aot_eager
+and Inductor with a dynamic M, and the cpu backend's M switch."""
+
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from quantpass.kernels import cpu, native, oracle, reference
+from quantpass.kernels.ops import key_arg, linear_call
+from quantpass.kernels.oracle import Capability, Problem
+from quantpass.metrics import sqnr
+from quantpass.quant_registry import QTensor, quantize
+from quantpass.quant_registry.keys import (
+    kFp8Dynamic128Sym,
+    kFp8DynamicTensorSym,
+    kFp8DynamicTokenSym,
+    kFp8Static128BlockSym,
+    kFp8StaticChannelSym,
+    kFp8StaticTensorSym,
+    kInt4StaticGroup128Sym,
+    kInt8DynamicTokenSym,
+    kInt8StaticChannelSym,
+    kMxfp4Static,
+    kMxfp8Dynamic,
+    kMxfp8Static,
+    kNvfp4Dynamic,
+    kNvfp4Static,
+)
+
+DTYPES = (torch.bfloat16, torch.float32)
+M_VALUES = (1, 7, 33)
+NK = ((48, 96), (96, 300))  # K = 300: no group divides it, data pads columns
+
+# SQNR floors (dB) against the fp32 product of the unquantized operands: a few dB under the worst
+# of 3 seeds x these shapes (Gaussian x and w), measured 2026-11-29.
+FORMAT_FLOORS = {
+    (kFp8StaticTensorSym, kFp8DynamicTensorSym): 24,  # measured >= 27.2
+    (kFp8StaticChannelSym, kFp8DynamicTokenSym): 24,  # >= 26.1
+    (kInt8StaticChannelSym, kInt8DynamicTokenSym): 35,  # >= 38.9
+    (kFp8StaticChannelSym, None): 27,  # >= 29.7
+    (kInt8StaticChannelSym, None): 38,  # >= 42.2
+    (kInt4StaticGroup128Sym, None): 15.5,  # >= 18.0
+    (kMxfp4Static, None): 15.5,  # >= 18.0
+    (kNvfp4Static, None): 17,  # >= 19.2
+}
+# Against the reference (same quantized operands): fp32 agrees to fp32 rounding; bf16 output
+# rounding alone costs ~50 dB (a bf16 ulp is 2^-8 relative).
+REFERENCE_FLOORS = {torch.float32: 100, torch.bfloat16: 40}
+NATIVE_ON_CPU = [pair for pair in FORMAT_FLOORS]
+CPU_KEYS = (kInt8StaticChannelSym, kInt4StaticGroup128Sym)
+
+CPU = Capability("cpu")
+SM89, SM90, SM100 = (Capability("cuda", sm, frozenset({"triton"})) for sm in (89, 90, 100))
+BIG = Problem(n=4096, k=4096)
+
+
+def check(out, x, w, qt, activation, bias, floor_vs_exact):
+    """Shape and dtype; near-exact vs the reference; the format's floor vs the unquantized product."""
+    assert out.shape == (x.shape[0], w.shape[0]) and out.dtype == x.dtype
+    ref = reference.linear(x, qt, activation, bias)
+    assert sqnr(ref.float(), out.float()) >= REFERENCE_FLOORS[x.dtype], "differs from reference"
+    exact = x.float() @ w.float().t() + (0 if bias is None else bias.float())
+    assert sqnr(exact, out.float()) >= floor_vs_exact, "below the format floor vs the unquantized product"
+
+
+def operands(m, n, k, dtype):
+    return torch.randn(m, k, dtype=dtype), torch.randn(n, k, dtype=dtype), torch.randn(n, dtype=dtype)
+
+
+# --- numerics on CPU ---
+
+
+@pytest.mark.parametrize("pair", NATIVE_ON_CPU, ids=lambda p: f"{p[0]}/{p[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize(("n", "k"), NK)
+def test_native_matches_reference(pair, dtype, m, n, k):
+    x, w, bias = operands(m, n, k, dtype)
+    qt = quantize(w, pair[0])
+    check(native.linear(x, qt, pair[1], bias), x, w, qt, pair[1], bias, FORMAT_FLOORS[pair])
+
+
+@pytest.mark.parametrize("key", CPU_KEYS, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("m", M_VALUES)
+@pytest.mark.parametrize(("n", "k"), NK)
+def test_cpu_matches_reference(key, dtype, m, n, k):
+    x, w, bias = operands(m, n, k, dtype)
+    qt = quantize(w, key)
+    prepared = cpu.prepare_weight("linear", qt)
+    check(cpu.linear(x, prepared, None, bias), x, w, qt, None, bias, FORMAT_FLOORS[(key, None)])
+    check(cpu.linear(x, qt, None, None), x, w, qt, None, None, FORMAT_FLOORS[(key, None)])  # unprepared
+
+
+@pytest.mark.parametrize("key", CPU_KEYS, ids=str)
+def test_cpu_switches_on_m_at_run_time(key, monkeypatch):
+    """Both sides of the switch: the aten kernel up to the threshold, dequantize + matmul above."""
+    monkeypatch.setitem(cpu.KERNEL_MAX_M, key, 4)
+    calls = []
+    kernel = cpu._aten_kernel
+    monkeypatch.setattr(cpu, "_aten_kernel", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+    _, w, bias = operands(1, 96, 300, torch.bfloat16)
+    qt = quantize(w, key)
+    prepared = cpu.prepare_weight("linear", qt)
+    for m in (1, 4, 5, 33):
+        x = torch.randn(m, 300, dtype=torch.bfloat16)
+        check(cpu.linear(x, prepared, None, bias), x, w, qt, None, bias, FORMAT_FLOORS[(key, None)])
+    assert calls == [1, 4]
+
+
+def test_cpu_prepared_layout_and_memory():
+    w = torch.randn(96, 300, dtype=torch.bfloat16)
+    int8 = cpu.prepare_weight("linear", quantize(w, kInt8StaticChannelSym))
+    assert int8.data.shape == (96, 304) and int8.data.dtype == torch.int8  # K padded to 8
+    assert int8.scale.shape == (96,) and int8.scale.dtype == torch.bfloat16
+    int4_ours = quantize(w, kInt4StaticGroup128Sym)
+    int4 = cpu.prepare_weight("linear", int4_ours)
+    assert int4.data.shape == (96, 192) and int4.data.dtype == torch.uint8  # Kp = 384, two per byte
+    assert int4.scale.shape == (3, 96, 2) and torch.equal(int4.scale[..., 1], torch.zeros(3, 96, dtype=torch.bfloat16))
+    assert int4.data.numel() == int4_ours.data.numel()  # no second copy of the codes
+    assert cpu.prepare_weight("linear", int4) is int4  # idempotent
+
+
+@pytest.mark.parametrize("rows", [16, 48, 64, 96, 112])
+def test_unpack_int4_cpu_reads_the_packed_layout(rows):
+    codes = torch.randint(0, 16, (rows, 256), dtype=torch.int32)
+    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+    assert cpu._int4_layout() is not None, "this torch's int4 CPU layout should be one of LAYOUTS"
+    assert torch.equal(cpu.unpack_int4_cpu(packed, rows, 256).to(torch.int32), codes)
+
+
+def test_int4_layout_unknown_keeps_the_kernel(monkeypatch):
+    monkeypatch.setattr(cpu, "_int4_layout", lambda: None)
+    monkeypatch.setitem(cpu.KERNEL_MAX_M, kInt4StaticGroup128Sym, 1)
+    x, w, _ = operands(7, 48, 96, torch.float32)
+    qt = quantize(w, kInt4StaticGroup128Sym)
+    check(cpu.linear(x, qt, None, None), x, w, qt, None, None, FORMAT_FLOORS[(kInt4StaticGroup128Sym, None)])
+
+
+def test_errors_name_the_bad_value():
+    x, w, _ = operands(2, 48, 96, torch.float32)
+    with pytest.raises(ValueError, match=r"kInt4StaticGroup128Sym with activation kFp8DynamicTokenSym; valid pairs"):
+        native.linear(x, quantize(w, kInt4StaticGroup128Sym), kFp8DynamicTokenSym, None)
+    with pytest.raises(ValueError, match=r"weight-only; got activation kInt8DynamicTokenSym"):
+        cpu.linear(x, quantize(w, kInt8StaticChannelSym), kInt8DynamicTokenSym, None)
+
+
+# --- supports: what runs where, and why not ---
+
+# fmt: off
+SUPPORTS_CASES = [
+    # backend, capability, weight, activation, problem, ok, reason contains
+    (native, CPU,   kFp8StaticTensorSym,   kFp8DynamicTensorSym, Problem(96, 300), True,  "torch._scaled_mm on CPU"),
+    (native, CPU,   kFp8StaticChannelSym,  kFp8DynamicTokenSym,  BIG,              True,  "torch._scaled_mm on CPU"),
+    (native, CPU,   kInt8StaticChannelSym, kInt8DynamicTokenSym, BIG,              True,  "torch._int_mm on CPU"),
+    (native, CPU,   kFp8Static128BlockSym, kFp8Dynamic128Sym,    BIG,              False, "on CPU takes only per-tensor and per-row FP8 scales"),
+    (native, CPU,   kMxfp8Static,          kMxfp8Dynamic,        BIG,              False, "on CPU takes only per-tensor and per-row"),
+    (native, CPU,   kNvfp4Static,          kNvfp4Dynamic,        BIG,              False, "on CPU takes only per-tensor and per-row"),
+    (native, CPU,   kMxfp4Static,          None,                 Problem(48, 300), True,  "dequantize + F.linear"),
+    (native, CPU,   kMxfp4Static,          kMxfp8Dynamic,        BIG,              False, "no kernel for kMxfp4Static with activation kMxfp8Dynamic"),
+    (native, SM89,  kFp8StaticChannelSym,  kFp8DynamicTokenSym,  BIG,              True,  "cuda sm89"),
+    (native, Capability("cuda", 80), kFp8StaticTensorSym, kFp8DynamicTensorSym, BIG, False, "compute capability 8.9 or 9.0+; this device is sm80"),
+    (native, SM90,  kFp8StaticChannelSym,  kFp8DynamicTokenSym,  Problem(96, 300), False, "K % 16 == 0; got N=96, K=300"),
+    (native, SM90,  kFp8StaticChannelSym,  kFp8DynamicTokenSym,  Problem(200, 256), False, "N % 16 == 0"),
+    (native, SM89,  kInt8StaticChannelSym, kInt8DynamicTokenSym, BIG,              True,  "torch._int_mm on cuda sm89"),
+    (native, SM90,  kInt8StaticChannelSym, kInt8DynamicTokenSym, Problem(96, 300), False, "K % 8 == 0; got N=96, K=300"),
+    (native, SM89,  kFp8Static128BlockSym, kFp8Dynamic128Sym,    BIG,              False, "only supported in CUDA for SM90"),
+    (native, SM90,  kFp8Static128BlockSym, kFp8Dynamic128Sym,    Problem(256, 300), True, "BlockWise128x128 on cuda sm90"),
+    (native, SM90,  kFp8Static128BlockSym, kFp8Dynamic128Sym,    Problem(200, 256), False, "N % 128 == 0; got N=200"),
+    (native, SM100, kFp8Static128BlockSym, kFp8Dynamic128Sym,    BIG,              False, "scaling only supported in CUDA for SM90'; this device is sm100"),
+    (native, SM90,  kMxfp8Static,          kMxfp8Dynamic,        BIG,              False, "needs sm100+; this device is sm90"),
+    (native, SM100, kMxfp8Static,          kMxfp8Dynamic,        Problem(96, 300), True,  "BlockWise1x32"),
+    (native, SM90,  kNvfp4Static,          kNvfp4Dynamic,        BIG,              False, "needs sm100+; this device is sm90"),
+    (native, SM100, kNvfp4Static,          kNvfp4Dynamic,        BIG,              True,  "BlockWise1x16"),
+    (native, SM100, kNvfp4Static,          kNvfp4Dynamic,        Problem(96, 300), False, "K % 32 == 0; got N=96, K=300 (padded to 304)"),
+    (native, SM100, kInt4StaticGroup128Sym, None,                Problem(48, 300), True,  "dequantize + F.linear"),
+    (native, Capability("mps"), kFp8StaticChannelSym, kFp8DynamicTokenSym, BIG,     False, "got device 'mps'"),
+    (native, CPU,   kInt8StaticChannelSym, None,                 BIG,              True,  "dequantize + F.linear"),
+    (cpu,    CPU,   kInt8StaticChannelSym, None,                 Problem(96, 300), True,  "torch._weight_int8pack_mm for M <= "),
+    (cpu,    CPU,   kInt4StaticGroup128Sym, None,                BIG,              True,  "torch._weight_int4pack_mm_for_cpu for M <= "),
+    (cpu,    CPU,   kInt4StaticGroup128Sym, None,                Problem(40, 256), False, "N % 16 == 0; got N=40"),
+    (cpu,    SM90,  kInt8StaticChannelSym, None,                 BIG,              False, "run on cpu, not cuda"),
+    (cpu,    CPU,   kInt8StaticChannelSym, kInt8DynamicTokenSym, BIG,              False, "activation kInt8DynamicTokenSym is not supported"),
+    (cpu,    CPU,   kFp8StaticChannelSym,  None,                 BIG,              False, "no CPU kernel for weight kFp8StaticChannelSym; valid: "),
+]
+# fmt: on
+
+
+@pytest.mark.parametrize(("module", "capability", "weight", "activation", "problem", "ok", "reason"), SUPPORTS_CASES)
+def test_supports(module, capability, weight, activation, problem, ok, reason):
+    got_ok, got_reason = module.supports("linear", capability, weight, activation, problem)
+    assert (got_ok, reason in got_reason) == (ok, True), got_reason
+
+
+def test_supports_moe_and_missing_ops(monkeypatch):
+    pair = (kInt8StaticChannelSym, None)
+    assert native.supports("moe", CPU, *pair, BIG) == (False, "native MoE is not implemented here")
+    assert cpu.supports("moe", CPU, *pair, BIG)[0] is False
+    monkeypatch.delattr(F, "scaled_mm")
+    ok, why = native.supports("linear", SM100, kMxfp8Static, kMxfp8Dynamic, BIG)
+    assert not ok and "needs torch.nn.functional.scaled_mm" in why
+    monkeypatch.delattr(torch, "_weight_int4pack_mm_for_cpu")
+    ok, why = cpu.supports("linear", CPU, kInt4StaticGroup128Sym, None, BIG)
+    assert not ok and "has no torch._weight_int4pack_mm_for_cpu" in why
+
+
+@pytest.mark.parametrize("backend", ["native", "cpu"])
+def test_every_oracle_row_is_answered(backend):
+    """Each linear pair listing the backend: an answer with a reason on every reference device, and
+    the pairs that run on CPU are the ones this file runs."""
+    module = oracle.backend_module(backend)
+    runs_on_cpu = set()
+    for pair, backends in oracle.LINEAR_CANDIDATES.items():
+        if backend not in backends:
+            continue
+        for capability in (CPU, SM89, SM90, SM100):
+            ok, why = module.supports("linear", capability, *pair, BIG)
+            assert why, (pair, capability)
+            if ok and capability is CPU:
+                runs_on_cpu.add(pair)
+    expected = set(NATIVE_ON_CPU) if backend == "native" else {(key, None) for key in CPU_KEYS}
+    assert runs_on_cpu == expected
+
+
+# --- CUDA paths: our arguments against torch's meta checks, on fake CUDA tensors ---
+
+
+def fake_cuda(t):
+    return None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cuda")
+
+
+def fake_cuda_qtensor(qt):
+    return QTensor(fake_cuda(qt.data), fake_cuda(qt.scale), fake_cuda(qt.scale2), qt.key, qt.shape, qt.dtype)
+
+
+CUDA_CAPABILITY = {native.FP8_GEMM: SM90, native.INT8_GEMM: SM90, native.FP8_BLOCK_GEMM: SM90}
+
+
+@pytest.mark.parametrize("pair", list(native.GEMMS), ids=lambda p: f"{p[0]}/{p[1]}")
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 256, 512), (7, 256, 300), (33, 384, 640), (130, 128, 128)])
+def test_cuda_gemm_arguments_pass_torchs_checks(pair, m, n, k, monkeypatch):
+    """Where `supports` says yes, torch's `_scaled_mm`/`scaled_mm`/`_int_mm` meta checks accept our
+    operands (shapes, strides, dtypes, recipes, swizzle); where it refuses on shape, torch does too.
+    The SM rules themselves live in the CUDA kernels and are not checkable here."""
+    gemm = native.GEMMS[pair]
+    capability = CUDA_CAPABILITY.get(gemm, SM100)
+    ok, why = native.supports("linear", capability, *pair, Problem(n, k))
+    rows_seen = []
+    int_mm = torch._int_mm
+    monkeypatch.setattr(torch, "_int_mm", lambda a, b: rows_seen.append(a.shape[0]) or int_mm(a, b))
+    x = torch.randn(m, k, dtype=torch.bfloat16)
+    qt, xq = quantize(torch.randn(n, k), pair[0]), quantize(x, pair[1])
+    if not ok and gemm is native.INT8_GEMM:
+        return  # `_int_mm`'s K % 8 rule is in its CUDA kernel, not in its meta function
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        run = lambda: native._GEMM_FUNCTIONS[gemm](fake_cuda(x), fake_cuda_qtensor(qt), fake_cuda_qtensor(xq))  # noqa: E731
+        if not ok:
+            with pytest.raises(RuntimeError, match="divisible by 16"):
+                run()
+            return
+        out = run()
+    assert out.shape == (m, n) and out.device.type == "cuda", why
+    assert out.dtype == (torch.float32 if gemm is native.INT8_GEMM else torch.bfloat16)
+    assert all(rows > 16 for rows in rows_seen), "cuBLASLt's int8 GEMM needs M > 16"
+
+
+# --- graphs: dynamic M, no recompile ---
+
+
+def compiled_linear_graph(backend, pair, n):
+    counter = CompileCounterWithBackend(backend)
+
+    def f(x, data, scale, scale2, bias):
+        args = (data, scale, scale2, bias, key_arg(pair[0]), key_arg(pair[1]), "native", n)
+        return linear_call("native", "cpu")(torch.relu(x), *args)
+
+    return torch.compile(f, backend=counter, dynamic=True, fullgraph=True), counter
+
+
+@pytest.mark.parametrize(
+    "pair",
+    [p for p in NATIVE_ON_CPU if p[1] is not None] + [(kInt4StaticGroup128Sym, None), (kNvfp4Static, None)],
+    ids=lambda p: f"{p[0]}/{p[1]}",
+)
+def test_linear_graph_aot_eager_dynamic_m(pair):
+    _, w, bias = operands(1, 96, 300, torch.bfloat16)
+    qt = quantize(w, pair[0])
+    f, counter = compiled_linear_graph("aot_eager", pair, 96)
+    frames = None
+    for m in (7, 33):
+        x = torch.randn(2, m, 300, dtype=torch.bfloat16)  # leading dims fold into M
+        out = f(x, qt.data, qt.scale, qt.scale2, bias)
+        assert out.shape == (2, m, 96)
+        ref = reference.linear(torch.relu(x).reshape(-1, 300), qt, pair[1], bias)
+        assert sqnr(ref.float(), out.reshape(-1, 96).float()) >= REFERENCE_FLOORS[torch.bfloat16]
+        frames = frames or counter.frame_count
+    assert counter.frame_count == frames, "a new M recompiled"
+
+
+def test_linear_graph_inductor_fuses_activation_quantization():
+    """FP8 per-row W8A8 under Inductor on CPU: two M, one compile; the activation quantization
+    lands in the same generated kernel as its producer (relu) and the GEMM is `_scaled_mm`."""
+    from torch._inductor.utils import run_and_get_code
+
+    pair = (kFp8StaticChannelSym, kFp8DynamicTokenSym)
+    _, w, bias = operands(1, 96, 256, torch.bfloat16)
+    qt = quantize(w, pair[0])
+    f, counter = compiled_linear_graph("inductor", pair, 96)
+    x = torch.randn(7, 256, dtype=torch.bfloat16)
+    out, code = run_and_get_code(f, x, qt.data, qt.scale, None, bias)  # (it resets dynamo first)
+    assert "_scaled_mm" in code[0]
+    kernels = re.findall(r"cpp_fused_\w+", code[0])
+    assert any("relu" in name and "amax" in name for name in kernels), kernels
+    frames = counter.frame_count
+    for m in (7, 33):
+        x = torch.randn(m, 256, dtype=torch.bfloat16)
+        out = f(x, qt.data, qt.scale, None, bias)
+        ref = reference.linear(torch.relu(x), qt, pair[1], bias)
+        # Inductor's bf16 rounding of fused math differs from eager (DESIGN.md §7): looser floor
+        assert out.shape == (m, 96) and sqnr(ref.float(), out.float()) >= 30
+    assert counter.frame_count == frames, "a new M recompiled"
