@@ -134,6 +134,9 @@ def test_every_triton_table_row_is_supported_on_hopper_and_the_interpreter():
                 assert triton_backend.supports(kind, hopper, *pair, PROBLEM)[0], (kind, pair)
                 assert triton_backend.supports(kind, INTERPRETER, *pair, PROBLEM)[0], (kind, pair)
     assert not triton_backend.supports("attention", INTERPRETER, keys.kFp8StaticChannelSym, None, PROBLEM)[0]
+    relu = oracle.Problem(n=512, k=1024, activation="relu")
+    ok, why = triton_backend.supports("moe", INTERPRETER, keys.kFp8StaticChannelSym, None, relu)
+    assert not ok and "'relu'" in why
 
 
 def test_oracle_runs_triton_when_named_and_never_picks_it_on_cpu_itself():

@@ -22,6 +22,7 @@ import torch
 
 from ...quant_registry.keys import QuantKey
 from ...quant_registry.qtensor import QTensor
+from ..reference import ACTIVATIONS
 from .scheme import GemmScheme, activation_scheme, gemm_scheme
 
 Tensor = torch.Tensor  # module level: the triton_op annotations below are resolved here
@@ -37,6 +38,9 @@ def supports(kind, capability, weight: QuantKey, activation: QuantKey | None, pr
         return False, scheme
     if activation is not None and isinstance(why := activation_scheme(activation), str):
         return False, why
+    moe_activation = getattr(problem, "activation", None)
+    if kind == "moe" and moe_activation is not None and moe_activation not in ACTIVATIONS:
+        return False, f"no fused epilogue for MoE activation {moe_activation!r}; valid: {', '.join(ACTIVATIONS)}"
     if "triton" not in capability.libs:
         return False, "triton is not installed"
     if capability.device == "cpu":

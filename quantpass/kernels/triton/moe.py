@@ -72,11 +72,12 @@ def fused_moe(
     num_pairs = tokens * top_k
     if decode is None:
         decode = num_pairs <= num_experts
-    interpret = envs.triton_interpret()
-    if config is None and interpret:
-        config = dict(tuning.interpreter_config(16, 2 * intermediate), BLOCK_M=16)
+    if config is None and envs.triton_interpret():
+        config = tuning.interpreter_config(16, 2 * intermediate)
     elif config is None:
         config = tuning.moe_config(tokens, num_experts, top_k, intermediate, scheme)
+    if decode:  # one pair per block: the smallest block tl.dot takes wastes the least
+        config = dict(config, BLOCK_M=16)
     local_ids = local_expert_ids(topk_ids, expert_map)
     if decode:
         routing = decode_routing(local_ids, config["BLOCK_M"])

@@ -96,9 +96,12 @@ def _quantize_kernel(
 
 @triton.jit
 def _encode(scaled, ELEMENT: tl.constexpr, EXACT: tl.constexpr):
+    """Values already divided by their scale -> stored elements: clamp (saturate), round to nearest even."""
     if ELEMENT == "fp8":
-        return to_e4m3(tl.minimum(tl.maximum(scaled, -448.0), 448.0), EXACT)
-    return to_int8(tl.minimum(tl.maximum(scaled, -127.0), 127.0))
+        encoded = to_e4m3(tl.minimum(tl.maximum(scaled, -448.0), 448.0), EXACT)
+    else:
+        encoded = to_int8(tl.minimum(tl.maximum(scaled, -127.0), 127.0))
+    return encoded
 
 
 def quantize_activation(x: torch.Tensor, key: QuantKey) -> QTensor:

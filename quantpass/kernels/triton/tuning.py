@@ -107,6 +107,7 @@ def default_moe_config(tokens: int, num_experts: int, top_k: int, scheme: GemmSc
     return fit_block_k(config, scheme)
 
 
+@functools.cache
 def device_name() -> str:
     if torch.cuda.is_available():
         return torch.cuda.get_device_name().replace(" ", "_")
