@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from quantpass import envs
 from quantpass.kernels import oracle
 
 pytest.importorskip("triton", reason="the Triton backend tests need triton installed")
@@ -10,6 +11,14 @@ pytest.importorskip("triton", reason="the Triton backend tests need triton insta
 # Every (weight, activation) pair a candidate table offers the triton backend: a new row gets tested.
 LINEAR_PAIRS = [pair for pair, backends in oracle.LINEAR_CANDIDATES.items() if "triton" in backends]
 MOE_PAIRS = [pair for pair, backends in oracle.MOE_CANDIDATES.items() if "triton" in backends]
+
+
+# The CPU tier launches kernels on CPU tensors through Triton's interpreter. conftest turns it on only
+# without CUDA; on a CUDA machine these tests skip (the gpu-marked ones run there instead), unless
+# TRITON_INTERPRET=1 is set by hand.
+on_interpreter = pytest.mark.skipif(
+    not envs.triton_interpret(), reason="CPU tier: needs Triton's interpreter (TRITON_INTERPRET=1; set without CUDA)"
+)
 
 
 def pair_id(pair) -> str:

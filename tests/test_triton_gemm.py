@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from _triton_support import LINEAR_PAIRS, device, pair_id, poison_empty
+from _triton_support import LINEAR_PAIRS, device, on_interpreter, pair_id, poison_empty
 
 import quantpass.kernels.triton as triton_backend
 from quantpass.kernels import oracle, reference
@@ -53,6 +53,7 @@ def check_linear(pair, m, n, k, dtype, dev, floor=REFERENCE_FLOOR_DB):
     assert sqnr(x.float() @ w.t() + bias.float(), out.float()) >= unquantized_floor(pair)
 
 
+@on_interpreter
 @pytest.mark.parametrize("pair", LINEAR_PAIRS, ids=pair_id)
 @pytest.mark.parametrize(("m", "n", "k"), SHAPES, ids=["m1", "m7", "m33"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -60,6 +61,7 @@ def test_linear_matches_reference(pair, m, n, k, dtype):
     check_linear(pair, m, n, k, dtype, "cpu")
 
 
+@on_interpreter
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 @pytest.mark.parametrize("layout", reference.GATE_UP_LAYOUTS)
 def test_gated_activation_epilogue(activation, layout):
@@ -147,6 +149,7 @@ def test_oracle_runs_triton_when_named_and_never_picks_it_on_cpu_itself():
         oracle.select("linear", *pair, CPU, PROBLEM, backend="triton")
 
 
+@on_interpreter
 def test_custom_op_and_triton_op_run_the_same_kernels():
     """`quantpass::linear` with backend "triton" calls `linear`; the CUDA graph op (a triton_op, run
     eagerly here) has the same schema and result. On CPU the oracle's graph op is the custom op."""

@@ -8,7 +8,7 @@ the router weight on the input. GPU tier: E=8, top-2, H=1024, I=512 and an Induc
 
 import pytest
 import torch
-from _triton_support import MOE_PAIRS, device, pair_id, poison_empty
+from _triton_support import MOE_PAIRS, device, on_interpreter, pair_id, poison_empty
 
 import quantpass.kernels.triton as triton_backend
 from quantpass.kernels import reference
@@ -96,6 +96,7 @@ CASES = {  # T -> what the case covers
 }
 
 
+@on_interpreter
 @pytest.mark.parametrize("pair", MOE_PAIRS, ids=pair_id)
 @pytest.mark.parametrize("tokens", sorted(CASES), ids=lambda t: f"T{t}")
 def test_fused_moe_matches_reference(pair, tokens):
@@ -106,6 +107,7 @@ def test_fused_moe_matches_reference(pair, tokens):
     assert exact is None or sqnr(exact, out) >= unquantized_floor(pair)
 
 
+@on_interpreter
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 @pytest.mark.parametrize("layout", reference.GATE_UP_LAYOUTS)
 def test_activations_and_gate_up_layouts(activation, layout):
@@ -115,6 +117,7 @@ def test_activations_and_gate_up_layouts(activation, layout):
     assert sqnr(want, out) >= 40  # measured >= 48 dB
 
 
+@on_interpreter
 @pytest.mark.parametrize("top_k", [1, 2])
 def test_router_weight_on_input(top_k):
     pair = (keys.kMxfp4Static, keys.kMxfp8Dynamic)
@@ -122,6 +125,7 @@ def test_router_weight_on_input(top_k):
     assert sqnr(want, out) >= 40
 
 
+@on_interpreter
 def test_decode_shortcut_and_sorted_path_agree():
     pair = (keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym)
     problem = make_moe(6, experts=4)
@@ -130,6 +134,7 @@ def test_decode_shortcut_and_sorted_path_agree():
     assert sqnr(want, decoded) >= 40 and sqnr(sorted_, decoded) >= 60
 
 
+@on_interpreter
 def test_no_local_expert_gives_zeros_and_empty_batch_works():
     pair = (keys.kInt4StaticGroup128Sym, None)
     problem = make_moe(5)
@@ -166,6 +171,7 @@ def test_moe_align_groups_pairs_by_expert_in_padded_blocks():
     assert shortcut.expert_ids.tolist() == local[:2].reshape(-1).tolist() and int(shortcut.num_padded) == 24
 
 
+@on_interpreter
 def test_graph_op_runs_the_same_fused_moe():
     """The CUDA graph op (a triton_op, eager here) and `quantpass::fused_moe` with backend "triton"."""
     weight_key, activation_key = keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym

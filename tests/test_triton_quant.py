@@ -6,7 +6,7 @@ checks at 4096 x 4096 on CUDA.
 
 import pytest
 import torch
-from _triton_support import device, poison_empty
+from _triton_support import device, on_interpreter, poison_empty
 
 from quantpass.quant_registry import formats, keys
 from quantpass.quant_registry.keys import FP8
@@ -49,6 +49,7 @@ def activations(rows, cols, dtype, dev="cpu"):
     return x.to(dtype)
 
 
+@on_interpreter
 @pytest.mark.parametrize("name", DYNAMIC_KEYS)
 @pytest.mark.parametrize(("rows", "cols"), [(1, 100), (7, 160), (33, 300)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -57,6 +58,7 @@ def test_same_bytes_as_reference(name, rows, cols, dtype):
     assert_same_bytes(activations(rows, cols, dtype), keys.KEYS[name])
 
 
+@on_interpreter
 def test_fp8_rounding_ties_and_carries():
     """Scale exactly 1 (amax 448): every tie between e4m3 neighbours rounds to even, round-ups carry
     into the exponent (7.99 -> 8, the case Triton's interpreter gets wrong), signs and zeros kept."""
@@ -68,11 +70,13 @@ def test_fp8_rounding_ties_and_carries():
         assert_same_bytes(x, keys.KEYS[name])
 
 
+@on_interpreter
 def test_int8_round_half_to_even():
     x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, 126.5, -126.5, 3.49, -3.51]])
     assert_same_bytes(x, keys.kInt8DynamicTokenSym)
 
 
+@on_interpreter
 def test_mx_scale_is_rceil_at_powers_of_two():
     """amax / 448 exactly a power of two keeps its exponent; a hair above it takes the next one."""
     x = torch.zeros(6, 64)
@@ -86,6 +90,7 @@ def test_mx_scale_is_rceil_at_powers_of_two():
     assert scale[:, 0].tolist()[:2] == [127 - 4, 127 - 3] and scale[4:, 0].tolist() == [1, 0]
 
 
+@on_interpreter
 def test_strided_rows_and_empty_input():
     wide = torch.randn(9, 256, dtype=torch.bfloat16)
     assert_same_bytes(wide[:, :160], keys.kFp8Dynamic128Sym)  # row stride 256, not 160
