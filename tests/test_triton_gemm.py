@@ -89,6 +89,10 @@ def test_launcher_errors_name_the_problem():
         )
     with pytest.raises(ValueError, match="invalid gated activation 'relu'"):
         quantized_matmul(torch.randn(4, 64), qw, activation="relu")
+    with pytest.raises(ValueError, match=r"bias of shape \(31,\)"):
+        quantized_matmul(torch.randn(4, 64), qw, torch.randn(31))
+    with pytest.raises(ValueError, match="A is torch.int8"):
+        quantized_matmul(torch.zeros(4, 64, dtype=torch.int8), qw)
 
 
 CPU = oracle.Capability("cpu", libs=frozenset({"triton"}))

@@ -261,6 +261,7 @@ def quantized_matmul(
     if a_cols != k:
         raise ValueError(f"A has K={a_cols} but the weight {tuple(weight.shape)} has K={k}")
     out_dtype = out_dtype or (a.dtype if isinstance(a, QTensor) else a_data.dtype)
+    _check_operands(scheme, a_data, weight, bias, n * (2 if activation else 1), routed)
     if scheme.mode == "dot_scaled" and a_data.dtype == torch.float32:
         a_data = a_data.to(torch.bfloat16)  # dot_scaled takes bf16/fp16 beside MX operands
     data_k = weight.data.shape[-1] * (2 if scheme.b_format in ("int4", "e2m1") else 1)
@@ -280,6 +281,10 @@ def quantized_matmul(
         em, top_k, index = rows, 1, (c, c, c)  # unused pointers (never read when not ROUTED)
     if router_weights is not None:
         router_weights = router_weights.reshape(-1).contiguous()
+        if router_weights.numel() != rows:
+            raise ValueError(f"{router_weights.numel()} router weights for {rows} token-expert pairs")
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
     b_scale2 = weight.scale2 if weight.scale2 is not None else weight.scale
     flags = dict(
         A_FORMAT=scheme.a_format,
@@ -341,6 +346,30 @@ def quantized_matmul(
     grid = (triton.cdiv(em, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"] // split),)
     wrap_triton(_gemm_kernel)[grid](*args, **flags, **meta, **launch)
     return c
+
+
+# What each scheme's operands must hold (formats.py's layout); a mismatch is a caller's bug.
+_DATA_DTYPES = {
+    "fp8": (torch.float8_e4m3fn,),
+    "int8": (torch.int8,),
+    "int4": (torch.uint8,),
+    "e2m1": (torch.uint8,),
+    "float": (torch.bfloat16, torch.float16, torch.float32),
+}
+
+
+def _check_operands(scheme, a_data, weight, bias, weight_rows, routed) -> None:
+    """Dtypes, devices and bias shape against the scheme (shapes of A and B are checked by the caller)."""
+    if a_data.dtype not in _DATA_DTYPES[scheme.a_format]:
+        raise ValueError(f"A is {a_data.dtype}; {scheme.a_format} activations are {_DATA_DTYPES[scheme.a_format]}")
+    if weight.data.dtype not in _DATA_DTYPES[scheme.b_format]:
+        raise ValueError(f"weight data is {weight.data.dtype}, {weight.key} stores {_DATA_DTYPES[scheme.b_format]}")
+    devices = {t.device for t in (a_data, weight.data, weight.scale, bias) if t is not None}
+    if len(devices) != 1:
+        raise ValueError(f"GEMM operands on several devices: {sorted(map(str, devices))}")
+    want = (weight.data.shape[0], weight_rows) if routed else (weight_rows,)
+    if bias is not None and tuple(bias.shape) != want:
+        raise ValueError(f"bias of shape {tuple(bias.shape)}, expected {want}")
 
 
 def _dot_format(scheme: GemmScheme, a_dtype: torch.dtype, interpret: bool) -> str:
