@@ -76,25 +76,31 @@ def fused_moe(
 
     w13 [E, 2I, H], w2 [E, H, I] hold the local experts; `expert_map` [global E] maps a global expert
     id to its local index, -1 for experts that live elsewhere (they contribute nothing here).
+    Each GEMM's input is quantized once over all routed rows (as fused kernels do), so a
+    per-tensor activation key gets one scale per GEMM, not one per expert.
     """
-    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
-    for expert in topk_ids.unique().tolist():
-        local = expert if expert_map is None else int(expert_map[expert])
-        if local < 0:
-            continue
-        tokens, slots = torch.nonzero(topk_ids == expert, as_tuple=True)
-        router = topk_weights[tokens, slots].float().unsqueeze(-1)
-        x = hidden[tokens].float()
-        if apply_router_weight_on_input:
-            x = x * router
-        h = fake_quantize(x.to(hidden.dtype), activation_key) @ dequantize(w13[local], torch.float32).t()
+    local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
+    tokens, slots = torch.nonzero(local_ids >= 0, as_tuple=True)  # routed (token, slot) pairs
+    experts = local_ids[tokens, slots]
+    router = topk_weights[tokens, slots].float().unsqueeze(-1)
+    x = hidden[tokens].float()
+    if apply_router_weight_on_input:
+        x = x * router
+    x = fake_quantize(x.to(hidden.dtype), activation_key)
+    h = torch.empty(x.shape[0], w13.shape[-2], dtype=torch.float32, device=hidden.device)
+    for expert in experts.unique().tolist():
+        rows = experts == expert
+        h[rows] = x[rows] @ dequantize(w13[expert], torch.float32).t()
         if b13 is not None:
-            h = h + b13[local].float()
-        a = gated_activation(h, activation, gate_up_layout, alpha, limit)
-        y = fake_quantize(a.to(hidden.dtype), activation_key) @ dequantize(w2[local], torch.float32).t()
+            h[rows] += b13[expert].float()
+    a = fake_quantize(gated_activation(h, activation, gate_up_layout, alpha, limit).to(hidden.dtype), activation_key)
+    y = torch.empty(x.shape[0], hidden.shape[-1], dtype=torch.float32, device=hidden.device)
+    for expert in experts.unique().tolist():
+        rows = experts == expert
+        y[rows] = a[rows] @ dequantize(w2[expert], torch.float32).t()
         if b2 is not None:
-            y = y + b2[local].float()
-        if not apply_router_weight_on_input:
-            y = y * router
-        out.index_add_(0, tokens, y)
-    return out.to(hidden.dtype)
+            y[rows] += b2[expert].float()
+    if not apply_router_weight_on_input:
+        y = y * router
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+    return out.index_add_(0, tokens, y).to(hidden.dtype)
