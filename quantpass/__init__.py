@@ -4,6 +4,7 @@
 """
 
 from .backend import backend, explain
+from .decorator import compile
 from .functional import linear
 from .passes.verify import QuantizationError
 from .plan import Plan, PlanRow
@@ -12,6 +13,7 @@ from .quant_registry import QTensor, QuantizationConfig, QuantKey, QuantSpec, de
 __all__ = [
     # compile
     "backend",
+    "compile",
     "explain",
     "Plan",
     "PlanRow",

@@ -71,7 +71,7 @@ for _weight, _activation in SHORTHANDS.values():
 
 
 def _invalid(field: str, value, valid: Iterable[str]) -> ValueError:
-    return ValueError(f"invalid {field} {value!r}; valid: {', '.join(sorted(valid))}")
+    return ValueError(f"invalid {field} {value!r}; valid: {', '.join(sorted(set(valid)))}")
 
 
 def quant_key(name: str | QuantKey, role: str = "weight") -> QuantKey:
