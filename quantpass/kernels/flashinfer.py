@@ -90,6 +90,10 @@ def _supports_moe_shape(problem) -> tuple[bool, str]:
         return False, f"TRT-LLM MoE routing needs experts % 4 == 0 and <= {MOE_MAX_EXPERTS}, got {experts}"
     if topk > MOE_MAX_TOPK:
         return False, f"TRT-LLM MoE routing takes top_k <= {MOE_MAX_TOPK}, got {topk}"
+    if problem.activation not in (None, "silu"):
+        return False, f"the TRT-LLM MXFP8 MoE computes SwiGLU (silu) only, not {problem.activation!r}"
+    if problem.has_bias:
+        return False, "the TRT-LLM MXFP8 MoE takes no expert biases"
     return True, "FlashInfer TRT-LLM MXFP8 fused MoE (SwiGLU, no biases)"
 
 

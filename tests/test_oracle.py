@@ -1,0 +1,193 @@
+"""The backend oracle: choices for injected capabilities, precedence, and every error path."""
+
+import logging
+
+import pytest
+
+from quantpass.kernels import oracle
+from quantpass.kernels.oracle import Capability, NoKernelError, Problem, resolve_activation_key, select, variants
+from quantpass.quant_registry import QuantSpec, keys
+
+CPU = Capability("cpu", None, frozenset({"triton"}))
+CPU_INTERPRETER = Capability("cpu", None, frozenset({"triton"}), triton_interpret=True)
+H200 = Capability("cuda", 90, frozenset({"triton"}))
+B200 = Capability("cuda", 100, frozenset({"triton", "flashinfer"}))
+B200_NO_FLASHINFER = Capability("cuda", 100, frozenset({"triton"}))
+BIG = Problem(n=4096, k=4096)
+MOE = Problem(n=1536, k=4096, experts=64, topk=8, activation="silu")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_oracle(monkeypatch):
+    monkeypatch.delenv("QUANTPASS_DISABLED_BACKENDS", raising=False)
+    oracle._select.cache_clear()
+    oracle._logged.clear()
+    yield
+    oracle._select.cache_clear()
+
+
+def choose(kind, spec, capability, problem=BIG, backend=None):
+    if not isinstance(spec, QuantSpec):
+        spec = QuantSpec.from_name(spec) if isinstance(spec, str) else QuantSpec(*spec)
+    return select(kind, spec.weight, spec.activation, capability, problem, backend)
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "capability", "problem", "expected"),
+    [
+        ("linear", "fp8_per_channel", CPU, BIG, "native"),  # torch._scaled_mm per-row works on CPU
+        ("linear", "fp8_per_tensor", CPU, BIG, "native"),
+        ("linear", "fp8_per_block", CPU, BIG, "reference"),  # no block _scaled_mm on CPU; Triton only if named
+        ("linear", "fp8_per_block", H200, BIG, "triton"),
+        ("linear", "int8_per_channel", CPU, BIG, "native"),  # torch._int_mm
+        ("linear", "int8_weight_only", CPU, BIG, "cpu"),
+        ("linear", "int4_weight_only", CPU, BIG, "cpu"),
+        ("linear", "int4_weight_only", CPU, Problem(n=40, k=4096), "native"),  # N % 16 != 0 for the aten pack
+        ("linear", "int4_weight_only", H200, BIG, "triton"),
+        ("linear", "mxfp8", B200, BIG, "flashinfer"),
+        ("linear", "mxfp8", B200, Problem(n=4096, k=4096, m=1), "native"),  # decode: no 128-row tiles
+        ("linear", "mxfp8", B200, Problem(n=64, k=4096), "native"),  # mm_mxfp8 needs N >= 128
+        ("linear", "mxfp8", B200_NO_FLASHINFER, BIG, "native"),
+        ("linear", "mxfp8", H200, BIG, "triton"),  # tl.dot_scaled, emulated on SM90
+        ("linear", "mxfp8", CPU, BIG, "reference"),
+        ("linear", "nvfp4", CPU, BIG, "reference"),
+        ("linear", "mxfp4", CPU, BIG, "native"),  # weight-only dequant + F.linear
+        ("linear", "mxfp4", CPU_INTERPRETER, BIG, "native"),  # the interpreter is never picked on its own
+        ("moe", "mxfp8", B200, MOE, "flashinfer"),
+        ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, activation="swigluoai"), "triton"),
+        ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, has_bias=True), "triton"),
+        ("moe", "mxfp8", H200, MOE, "triton"),
+        ("moe", "fp8_per_block", H200, MOE, "triton"),
+        ("moe", "fp8_per_block", CPU, MOE, "reference"),
+        ("moe", "nvfp4", H200, MOE, "reference"),
+    ],
+)
+def test_choices(kind, spec, capability, problem, expected):
+    selection = choose(kind, spec, capability, problem)
+    assert selection.backend == expected, selection
+    assert all(isinstance(why, str) and why for why in selection.rejected.values())
+
+
+def test_rejections_are_recorded_in_priority_order():
+    selection = choose("linear", "fp8_per_block", CPU)
+    assert list(selection.rejected) == ["triton", "native"]
+    assert selection.rejected["triton"] == "not chosen automatically on cpu (name it to use it)"
+    assert "block" in selection.rejected["native"] or "CPU" in selection.rejected["native"]
+
+
+def test_named_backend_wins_and_reasons_say_so():
+    selection = choose("linear", "fp8_per_channel", CPU_INTERPRETER, backend="triton")
+    assert (selection.backend, selection.reason) == ("triton", "named by the user")
+    assert choose("linear", "fp8_per_channel", CPU, backend="auto").backend == "native"
+
+
+def test_named_backend_that_cannot_run_raises_its_reason():
+    with pytest.raises(
+        NoKernelError, match=r"backend 'triton' can't run linear .* on cpu: needs CUDA, or TRITON_INTERPRET=1"
+    ):
+        choose("linear", "fp8_per_channel", CPU, backend="triton")
+    with pytest.raises(NoKernelError, match=r"'flashinfer' can't run linear .* on cuda sm90: needs SM100 or SM103"):
+        choose("linear", "mxfp8", H200, backend="flashinfer")
+
+
+def test_named_backend_without_a_kernel_for_the_pair_lists_what_it_has():
+    with pytest.raises(NoKernelError) as err:
+        choose("linear", "int8_per_channel", B200, backend="flashinfer")
+    assert "backend 'flashinfer' has no linear kernel for weight kInt8StaticChannelSym" in str(err.value)
+    assert "backends for this pair: native, triton, reference" in str(err.value)
+    with pytest.raises(
+        NoKernelError,
+        match=r"it takes activations \['None'\] with this weight; backends for this pair: triton, reference",
+    ):
+        choose("linear", (keys.kMxfp4Static, keys.kMxfp8Dynamic), CPU, backend="native")
+
+
+def test_pair_without_any_kernel_lists_supported_pairs():
+    with pytest.raises(
+        NoKernelError,
+        match=r"no linear kernel for weight kInt4StaticGroup128Sym with activation kInt8DynamicTokenSym; supported pairs: \[",
+    ):
+        choose("linear", (keys.kInt4StaticGroup128Sym, keys.kInt8DynamicTokenSym), CPU)
+
+
+def test_unknown_names():
+    with pytest.raises(
+        ValueError, match="invalid backend 'cuda'; valid: auto, cpu, flashinfer, native, reference, triton"
+    ):
+        choose("linear", "mxfp8", CPU, backend="cuda")
+    with pytest.raises(ValueError, match="invalid kind 'attention'; valid: linear, moe"):
+        choose("attention", "mxfp8", CPU)
+
+
+def test_disabled_backends_env(monkeypatch):
+    monkeypatch.setenv("QUANTPASS_DISABLED_BACKENDS", "native, cpu")
+    selection = choose("linear", "int8_weight_only", CPU)
+    assert selection.backend == "reference"
+    assert selection.rejected["cpu"] == selection.rejected["native"] == "disabled by QUANTPASS_DISABLED_BACKENDS"
+    # ... but a named backend still runs: the user's word beats the environment
+    assert choose("linear", "int8_weight_only", CPU, backend="cpu").backend == "cpu"
+
+
+def test_auto_with_nothing_left_lists_every_rejection(monkeypatch):
+    monkeypatch.setenv("QUANTPASS_DISABLED_BACKENDS", "native,reference")
+    with pytest.raises(NoKernelError) as err:
+        choose("linear", "fp8_per_channel", CPU)
+    message = str(err.value)
+    assert message.startswith("no backend can run linear kFp8StaticChannelSym/kFp8DynamicTokenSym on cpu: ")
+    for name in ("native: disabled", "triton: not chosen automatically", "reference: disabled"):
+        assert name in message
+
+
+def test_invalid_disabled_backend_name(monkeypatch):
+    monkeypatch.setenv("QUANTPASS_DISABLED_BACKENDS", "tensorrt")
+    with pytest.raises(
+        ValueError,
+        match="invalid backend 'tensorrt' in QUANTPASS_DISABLED_BACKENDS; valid: cpu, flashinfer, native, reference, triton",
+    ):
+        choose("linear", "fp8_per_channel", CPU)
+
+
+def test_family_variants_filtered_by_activation():
+    assert variants("moe", "triton", keys.kMxfp4Static) == [None, keys.kMxfp8Dynamic]
+    assert variants("linear", "flashinfer", keys.kMxfp8Static) == [keys.kMxfp8Dynamic]
+    assert variants("linear", "flashinfer", keys.kMxfp4Static) == []
+    bf16 = choose("moe", QuantSpec(weight="mxfp4"), H200, MOE, backend="triton")  # unset: MXFP4 x BF16
+    mxfp8 = choose("moe", QuantSpec(weight="mxfp4", activation="mxfp8"), H200, MOE, backend="triton")
+    assert bf16.backend == mxfp8.backend == "triton"
+
+
+def test_activation_override_resolution():
+    assert resolve_activation_key(None, None) is None
+    assert resolve_activation_key(keys.kMxfp8Dynamic, None) == keys.kMxfp8Dynamic  # the user's override
+    assert resolve_activation_key(None, keys.kMxfp8Dynamic) == keys.kMxfp8Dynamic  # the checkpoint's
+    assert resolve_activation_key(keys.kMxfp8Dynamic, keys.kMxfp8Dynamic) == keys.kMxfp8Dynamic
+    with pytest.raises(
+        ValueError,
+        match="activation kFp8DynamicTokenSym requested, but the checkpoint declares activation kMxfp8Dynamic",
+    ):
+        resolve_activation_key(keys.kFp8DynamicTokenSym, keys.kMxfp8Dynamic)
+
+
+def test_choice_logged_once_at_info_and_rejections_at_debug(caplog):
+    caplog.set_level(logging.DEBUG, logger="quantpass")
+    choose("linear", "fp8_per_block", CPU)
+    choose("linear", "fp8_per_block", CPU, Problem(n=1024, k=1024))  # same choice, another shape
+    infos = [r for r in caplog.records if r.levelno == logging.INFO]
+    debugs = [r for r in caplog.records if r.levelno == logging.DEBUG]
+    assert len(infos) == 1 and "-> reference" in infos[0].message
+    assert any("triton rejected" in r.message for r in debugs)
+
+
+def test_selection_is_cached():
+    first = choose("linear", "int8_weight_only", CPU)
+    assert choose("linear", "int8_weight_only", CPU) is first
+
+
+def test_kernel_table_covers_every_row_and_asks_each_kernel():
+    rows = oracle.kernel_table()
+    expected = sum(len(b) for table in oracle.CANDIDATES.values() for b in table.values())
+    assert len(rows) == expected
+    by_key = {(r["kind"], r["weight"], r["activation"], r["backend"]): r["devices"] for r in rows}
+    assert by_key[("linear", keys.kInt4StaticGroup128Sym, None, "cpu")] == ["cpu"]
+    assert by_key[("linear", keys.kMxfp8Static, keys.kMxfp8Dynamic, "flashinfer")] == ["cuda sm100"]
+    assert by_key[("linear", keys.kMxfp8Static, keys.kMxfp8Dynamic, "reference")] == ["cpu", "cuda sm90", "cuda sm100"]
