@@ -11,7 +11,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from quantpass.kernels import cpu, native, oracle, reference
-from quantpass.kernels.ops import key_arg, linear_call
+from quantpass.kernels.ops import key_arg, linear_call, prepare_weight
 from quantpass.kernels.oracle import Capability, Problem
 from quantpass.metrics import sqnr
 from quantpass.quant_registry import QTensor, quantize
@@ -51,7 +51,7 @@ FORMAT_FLOORS = {
 # Against the reference (same quantized operands): fp32 agrees to fp32 rounding; bf16 output
 # rounding alone costs ~50 dB (a bf16 ulp is 2^-8 relative).
 REFERENCE_FLOORS = {torch.float32: 100, torch.bfloat16: 40}
-NATIVE_ON_CPU = [pair for pair in FORMAT_FLOORS]
+NATIVE_ON_CPU = list(FORMAT_FLOORS)
 CPU_KEYS = (kInt8StaticChannelSym, kInt4StaticGroup128Sym)
 
 CPU = Capability("cpu")
@@ -111,6 +111,18 @@ def test_cpu_switches_on_m_at_run_time(key, monkeypatch):
         x = torch.randn(m, 300, dtype=torch.bfloat16)
         check(cpu.linear(x, prepared, None, bias), x, w, qt, None, bias, FORMAT_FLOORS[(key, None)])
     assert calls == [1, 4]
+
+
+@pytest.mark.parametrize("key", CPU_KEYS, ids=str)
+def test_cpu_through_the_graph_op(key):
+    """Prepared once (`ops.prepare_weight`), then `quantpass::linear` with backend "cpu" in a graph."""
+    x, w, bias = operands(7, 96, 300, torch.bfloat16)
+    qt = quantize(w, key)
+    prepared = prepare_weight("cpu", "linear", qt)
+    op = linear_call("cpu", "cpu")
+    args = (prepared.data, prepared.scale, prepared.scale2, bias, key_arg(key), "", "cpu", 96)
+    out = torch.compile(op, backend="aot_eager", fullgraph=True)(x.unsqueeze(0), *args)[0]
+    check(out, x, w, qt, None, bias, FORMAT_FLOORS[(key, None)])
 
 
 def test_cpu_prepared_layout_and_memory():

@@ -36,14 +36,21 @@ GROUP = 128  # INT4 scale group along K
 INT8_K_MULTIPLE = 8
 
 # Largest M for which the aten kernel beats dequantize + matmul, per weight key. Measured 2026-11-29
-# on this machine (AMD EPYC, AVX2 only: no AVX512-BF16/AMX; 2 threads shared with other jobs),
-# 4096x4096, bf16 x, median ms over interleaved repeats (see the cpu backend's report in git log):
-#   M      1     2     4     8     16    32    64    128   256
-#   ...filled in from the measurement below...
-KERNEL_MAX_M = {kInt8StaticChannelSym: 64, kInt4StaticGroup128Sym: 64}
+# on this machine: AMD EPYC, AVX2 only (no AVX512-BF16/AMX), torch 2.13, 4096x4096, bf16 x, 1 thread
+# (the 2 cores were shared with other jobs at load ~4: 2-thread timings stalled in thread barriers),
+# median ms of 11 interleaved rounds (5 for M >= 128):
+#   M                  1     2     4     8    16    32   128   192   256   384
+#   bf16 F.linear    9.3  12.2  25.0  56.4  87.4 141.8
+#   fp32 F.linear    7.7  10.1  22.7  22.4  20.7  28.0
+#   INT8 kernel      3.9   3.8   5.7  10.9  23.6  27.2   106   172   349   677
+#   INT8 deq+fp32   52.7  48.1  60.4  70.7  50.3  57.5   102   143   194   466
+#   INT4 kernel      3.8   3.7   5.9  11.6  17.0  29.6   122   241   347   694
+#   INT4 deq+fp32    141   122   126   149   123   108   149   243   301   565
+# No crossover for M <= 32 here (the kernels win 2-20x); it sits near 128 (INT8) and 192 (INT4).
+KERNEL_MAX_M = {kInt8StaticChannelSym: 128, kInt4StaticGroup128Sym: 192}
 
-# The matmul above the threshold runs in x.dtype only where the CPU multiplies bf16/fp16 natively;
-# elsewhere (AVX2) a bf16 GEMM is ~7x slower than fp32 at M=32 (measured above), so upcast.
+# The matmul above the threshold runs in x.dtype only where the CPU multiplies bf16/fp16 natively
+# (AMX, AVX512-BF16); on AVX2 a bf16 GEMM is 5x slower than fp32 at M=32 (table above): upcast.
 NATIVE_LOW_PRECISION_MATMUL = bool(
     getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     or getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
