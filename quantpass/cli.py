@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import json
 import logging
+import os
 import sys
 import time
 import warnings
@@ -90,6 +91,9 @@ def main(argv=None) -> int:
     except _CompileError as e:
         print(f"quantpass: error: {e}", file=sys.stderr)
         return e.exit_code
+    except BrokenPipeError:  # e.g. `quantpass formats | head`: stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
 
 
 def _configs(flags: QuantizationConfig, compare: str | None, named: bool) -> list[tuple[str, QuantizationConfig]]:

@@ -61,6 +61,16 @@ def test_explain_in_a_subprocess_logs_the_oracle_rejections():
     assert re.search(r"\[quantpass DEBUG\] linear .*: triton rejected: not chosen automatically on cpu", done.stderr)
 
 
+def test_explain_loads_a_local_checkpoint_directory(capsys, tmp_path):
+    from quantpass.presets import load_model
+
+    load_model("dense", device="cpu").model.save_pretrained(tmp_path)  # config.json + model.safetensors
+    argv = ["explain", "--model", str(tmp_path), "--quantization", "int8_per_channel", "--prompt-length", "8"]
+    assert main([*argv, "--json", str(tmp_path / "plan.json")]) == 0
+    assert "linear: 14 quantized (int8_per_channel; native 14) | 1 skipped" in capsys.readouterr().out
+    assert json.loads((tmp_path / "plan.json").read_text())["model"] == str(tmp_path)
+
+
 def test_formats_lists_names_keys_and_backends(capsys):
     assert main(["formats"]) == 0
     out = capsys.readouterr().out
