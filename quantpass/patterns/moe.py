@@ -1,0 +1,286 @@
+"""MoE sites: the experts of each MoE layer in a Dynamo graph, replaced by one `quantpass::fused_moe`.
+
+`find_moe_sites` anchors on matmuls with a 3-D parameter operand (`_grouped_mm` /
+`transformers::grouped_mm_fallback`, `bmm` or `einsum` on `W[ids]`), groups them by the top-k
+expert ids they are routed by, and proves each group's region with the interpreter of
+`moe_forms` — everything is read from the graph (shapes, ops, constants), never from class
+names. Routing (softmax/sigmoid, top-k, renormalisation, group top-k, scaling) stays in the
+graph: a site starts where `hidden` [T, H], `topk_weights` and `topk_ids` [T, k] enter the experts.
+ModuleList experts (one `nn.Linear` per expert) can't be proven fused: their weights are listed in
+`expert_linears` so the linear pass quantizes them with the `moe` spec.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from ..kernels import ops
+from ..kernels.oracle import Problem
+from ..quant_registry.formats import quantize
+from .moe_forms import hidden_root, ids_root, prove
+from .moe_modulelist import find_module_list_experts
+from .moe_region import collect_region, erase_dead, extract, op_name, shape, value
+from .moe_rules import DOWN, UP, NotProven, same, sym
+from .site import ParamRef, Site, param_refs
+
+SAMPLE_TOKENS = 16  # tokens in `sample_inputs` when the graph's token count is dynamic
+
+
+@dataclass
+class MoEMatches:
+    sites: list[MoESite] = field(default_factory=list)  # proven experts regions -> quantpass::fused_moe
+    claimed: set[fx.Node] = field(default_factory=set)  # every node of those regions: not linear sites
+    expert_linears: dict[fx.Node, str] = field(default_factory=dict)  # weight placeholder -> experts FQN
+    unproven: list[tuple[str, str]] = field(default_factory=list)  # (fqn, why) MoE-like, not supported
+
+
+@dataclass
+class MoESite(Site):
+    """One experts region. `params` = [w13, w2], or [w1 (gate), w3 (up), w2] when gate and up are
+    separate parameters (gather-einsum style); `quantize` returns [w13, w2] either way."""
+
+    kind = "moe"
+    hidden: fx.Node | None = None  # [T, H] tokens entering the experts
+    topk_weights: fx.Node | None = None  # [T, k]
+    topk_ids: fx.Node | None = None  # [T, k]
+    output: fx.Node | None = None  # [T, H], the region's result
+    b13: fx.Node | None = None  # [E, 2I] bias placeholder (same gate/up layout as w13)
+    b2: fx.Node | None = None  # [E, H]
+    activation: str = "silu"
+    gate_up_layout: str = "concat"
+    apply_router_weight_on_input: bool = False
+    alpha: float = 0.0  # swigluoai only
+    limit: float = 0.0
+    form: str = ""  # grouped_mm | batched_mm | einsum
+    tokens: int | None = None  # T of a static capture (None: dynamic)
+    region: set[fx.Node] = field(default_factory=set, repr=False)
+    original: fx.GraphModule | None = field(default=None, repr=False)  # the region, standalone
+    bias_refs: list[weakref.ref | None] = field(default_factory=list, repr=False)  # b13/b2 Parameters, for verify
+
+    def _biases(self, device) -> list[torch.Tensor | None]:
+        """The example biases (weakly held: the graph reads the live ones from its placeholders)."""
+        return [None if ref is None else ref().to(device) for ref in self.bias_refs]
+
+    def signature(self) -> tuple:
+        return (self.gate_up_layout, len(self.params))
+
+    def quantize(self, values, spec, backend):
+        matrices = [ref.matrix(v) for ref, v in zip(self.params, values)]  # each [E, N, K]
+        w13 = matrices[0] if len(matrices) == 2 else torch.cat(matrices[:2], dim=-2)  # [E, 2I, H] gate rows first
+        names = " + ".join(ref.name for ref in self.params[:-1])
+        w13 = quantize(w13.contiguous(), spec.weight, name=names)
+        w2 = quantize(matrices[-1].contiguous(), spec.weight, name=self.params[-1].name)  # [E, H, I]
+        return list(ops.prepare_moe_weights(backend, w13, w2, self.gate_up_layout))
+
+    def _op_args(self, hidden, topk_weights, topk_ids, weights, b13, b2, spec, backend):
+        (w13, w13_scale, w13_scale2), (w2, w2_scale, w2_scale2) = weights
+        return (
+            hidden, topk_weights, topk_ids,
+            w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2, b13, b2, None,
+            ops.key_arg(spec.weight), ops.key_arg(spec.activation), backend,
+            self.activation, self.gate_up_layout, self.apply_router_weight_on_input,
+            self.problem.n, self.alpha, self.limit,
+        )  # fmt: skip
+
+    def rewrite(self, graph, weights, spec, backend, device_type):
+        target = ops.moe_call(backend, device_type)
+        args = self._op_args(self.hidden, self.topk_weights, self.topk_ids, weights, self.b13, self.b2, spec, backend)
+        out_value, hidden_value = value(self.output), value(self.hidden)
+        with graph.inserting_before(self.output):
+            new = result = graph.call_function(target, args)
+            if out_value.dtype != hidden_value.dtype:  # the op returns hidden's dtype
+                result = graph.call_method("to", (new, out_value.dtype))
+        new.meta.update(self.output.meta)
+        new.meta["val"] = new.meta["example_value"] = out_value.to(hidden_value.dtype)
+        if result is not new:
+            result.meta.update(self.output.meta)
+            result.meta["val"] = out_value
+        self.output.replace_all_uses_with(result)
+        erase_dead(graph, self.region)
+        return result
+
+    def sample_inputs(self, like, device, dtype):
+        tokens, hidden_size = self.tokens or SAMPLE_TOKENS, self.problem.k
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(tokens, hidden_size, generator=generator)
+        if like is not None and like.is_floating_point() and like.numel() > 1:
+            hidden = hidden * like.float().std() + like.float().mean()
+        ids = torch.rand(tokens, self.problem.experts, generator=generator).argsort(dim=-1)[:, : self.problem.topk]
+        weights = torch.rand(tokens, self.problem.topk, generator=generator).softmax(dim=-1)
+        hidden_dtype = value(self.hidden).dtype if self.hidden is not None else dtype  # the region's own dtypes
+        return [
+            hidden.to(device, hidden_dtype),
+            weights.to(device, value(self.topk_weights).dtype),
+            ids.to(device, value(self.topk_ids).dtype),
+        ]
+
+    def run_original(self, inputs, values):
+        biases = [b for b in self._biases(inputs[0].device) if b is not None]
+        with torch.no_grad():
+            return self.original(*inputs, *values, *biases)
+
+    def run_quantized(self, inputs, weights, spec, backend, device_type):
+        target = ops.moe_call(backend, device_type)
+        b13, b2 = self._biases(inputs[0].device)
+        out = target(*self._op_args(*inputs, [w.tensors() for w in weights], b13, b2, spec, backend))
+        return out.to(value(self.output).dtype)
+
+
+def find_moe_sites(graph: fx.Graph, example_inputs) -> MoEMatches:
+    """Every MoE experts region of `graph`: proven sites, unproven look-alikes, ModuleList experts.
+
+    Call it on the graph you will rewrite (sites hold its nodes), from inside the Dynamo backend:
+    placeholders name their parameters only until the backend returns (`meta["grapharg"]`).
+    """
+    params = param_refs(graph, example_inputs)
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    matches = MoEMatches()
+    for ids, anchors in _anchor_groups(graph, params).items():
+        fqn = _experts_fqn([params[w].name for _, w, _ in anchors])
+        try:
+            if ids is None:
+                raise NotProven("its expert ids don't come from a [T, k] integer tensor (top-k indices)")
+            site = _site(graph, order, params, example_inputs, ids, anchors, fqn)
+        except NotProven as error:
+            matches.unproven.append((fqn, str(error)))
+            continue
+        matches.sites.append(site)
+        matches.claimed |= site.region
+    for fqn, weights in find_module_list_experts(graph, params).items():
+        matches.expert_linears.update(dict.fromkeys(weights, fqn))
+        matches.unproven.append((fqn, f"{len(weights)} per-expert linears (ModuleList): no fused form to prove"))
+    return matches
+
+
+def _anchor_groups(graph, params) -> dict[fx.Node | None, list[tuple[fx.Node, fx.Node, fx.Node]]]:
+    """Matmuls with a 3-D parameter operand as (node, weight, token operand), by their [T, k] ids."""
+    groups: dict[fx.Node | None, list] = {}
+    for node in graph.nodes:
+        name = op_name(node)
+        found = None
+        if name == "grouped_mm":
+            weight = node.args[1]
+            if op_name(weight) == "transpose":
+                weight = weight.args[0]
+            found = (weight, node.args[0], node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None))
+        elif name in ("bmm", "einsum"):
+            operands = list(node.args[:2] if name == "bmm" else node.args[1:])
+            for i, operand in enumerate(operands):
+                if (
+                    isinstance(operand, fx.Node)
+                    and op_name(operand) == "getitem"
+                    and isinstance(operand.args[1], fx.Node)
+                ):
+                    others = operands[:i] + operands[i + 1 :]
+                    found = (operand.args[0], others[0] if len(others) == 1 else None, operand.args[1])
+        if found is None or found[0] not in params or len(shape(found[0])) != 3 or found[1] is None:
+            continue
+        weight, source, route = found
+        groups.setdefault(ids_root(route), []).append((node, weight, source))
+    return groups
+
+
+def _experts_fqn(names: list[str]) -> str:
+    """The module holding the experts' parameters: their common dotted prefix."""
+    common = []
+    for parts in zip(*(name.split(".") for name in names)):
+        if len(set(parts)) != 1:
+            break
+        common.append(parts[0])
+    if len(common) == len(names[0].split(".")):  # one parameter: its module
+        common = common[:-1]
+    return ".".join(common) or names[0]
+
+
+def _site(graph, order, params, example_inputs, topk_ids, anchors, fqn) -> MoESite:
+    hidden = hidden_root(anchors[0][2])
+    dims, ids_dims = shape(hidden), shape(topk_ids)
+    experts = int(shape(anchors[0][1])[0])
+    if dims is None or len(dims) != 2 or not same(dims[0], ids_dims[0]):
+        raise NotProven(f"tokens enter the experts as {hidden.name} {dims}, not [T, H] with T = {ids_dims[0]}")
+    found = prove(order, params, hidden, topk_ids, experts)
+    projections = [*found.up, found.down]
+    unused = {node for node, _, _ in anchors} - {p.node for p in projections}
+    if unused:
+        raise NotProven(f"expert matmul {sorted(n.name for n in unused)} is not part of the proven experts")
+    up = found.up if len(found.up) == 1 or found.activation.gate_input == 0 else found.up[::-1]
+    refs = [ParamRef(p.weight, params[p.weight].index, params[p.weight].name, p.transposed) for p in [*up, found.down]]
+    intermediate, hidden_size = _sizes(refs, fqn)
+    inputs = [hidden, found.topk_weights, topk_ids, *(r.node for r in refs)]
+    biases = [found.biases.get(UP), found.biases.get(DOWN)]
+    inputs += [b for b in biases if b is not None]
+    try:
+        region, sizes = collect_region(found.output, set(inputs), set(found.tags) | found.middle)
+        original = extract(sorted(region, key=order.get), inputs, found.output, _size_sources(sizes, inputs, fqn))
+    except ValueError as error:
+        raise NotProven(str(error)) from None
+    tokens = dims[0] if isinstance(dims[0], int) else None
+    topk = int(ids_dims[1])
+    site = MoESite(
+        fqn,
+        refs,
+        Problem(intermediate, hidden_size, tokens, experts, topk, found.activation.activation, biases != [None, None]),
+        hidden=hidden,
+        topk_weights=found.topk_weights,
+        topk_ids=topk_ids,
+        output=found.output,
+        b13=biases[0],
+        b2=biases[1],
+        activation=found.activation.activation,
+        gate_up_layout=found.activation.gate_up_layout,
+        apply_router_weight_on_input=found.router_on_input,
+        alpha=found.activation.alpha,
+        limit=found.activation.limit,
+        form={"grouped_mm": "grouped_mm", "bmm": "batched_mm"}.get(op_name(found.down.node), "einsum"),
+        tokens=tokens,
+        region=region,
+        original=original,
+        bias_refs=[None if b is None else weakref.ref(example_inputs[params[b].index]) for b in biases],
+    )
+    site.notes.append(_describe(site))
+    return site
+
+
+def _sizes(refs: list[ParamRef], fqn: str) -> tuple[int, int]:
+    """(I, H) from the weights as the math uses them: w13 [E, 2I, H] (or [E, I, H] twice), w2 [E, H, I]."""
+    w2 = refs[-1].matrix(value(refs[-1].node))
+    hidden_size, intermediate = int(w2.shape[1]), int(w2.shape[2])
+    up_rows = sum(int(r.matrix(value(r.node)).shape[1]) for r in refs[:-1])
+    up_cols = {int(r.matrix(value(r.node)).shape[2]) for r in refs[:-1]}
+    if up_rows != 2 * intermediate or up_cols != {hidden_size}:
+        raise NotProven(
+            f"{fqn}: gate/up weights give [E, {up_rows}, {up_cols}], expected [E, 2*{intermediate}, {hidden_size}]"
+        )
+    return intermediate, hidden_size
+
+
+def _size_sources(sizes: list[fx.Node], inputs: list[fx.Node], fqn: str) -> dict:
+    """Each outside SymInt the region reads, as a size of its inputs: T, H, k or T*k."""
+    hidden, ids = shape(inputs[0]), shape(inputs[2])
+    known = [((0, 0), hidden[0]), ((0, 1), hidden[1]), ((2, 1), ids[1]), ((2, None), ids[0] * ids[1])]
+    sources = {}
+    for node in sizes:
+        match = [
+            where for where, size in known if isinstance(value(node), int | torch.SymInt) and same(size, value(node))
+        ]
+        if not match:
+            raise ValueError(
+                f"{fqn}: size {node.name} = {sym(value(node))} is not T, H, k or T*k of the experts' inputs"
+            )
+        sources[node] = match[0]
+    return sources
+
+
+def _describe(site: MoESite) -> str:
+    details = [f"{site.form} experts", f"{site.activation} ({site.gate_up_layout} gate/up)"]
+    if site.activation == "swigluoai":
+        details[-1] += f" alpha={site.alpha:g} limit={site.limit:g}"
+    if site.b13 is not None or site.b2 is not None:
+        details.append("biases fused")
+    if site.apply_router_weight_on_input:
+        details.append("router weight on input")
+    return ", ".join(details)

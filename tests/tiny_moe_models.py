@@ -1,0 +1,194 @@
+"""Tiny MoE models for tests: transformers 5.x configs and two hand-written MoE styles, seeded, no downloads.
+
+`initializer_range=0.1` (not the default 0.02) makes the experts matter: with 0.02, zeroing every
+expert still leaves the logits of tiny Mixtral at cosine 0.995 to the original, so a cosine test
+could not see a broken MoE; with 0.1 zeroing them gives ~0.70.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+
+COMMON = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    max_position_embeddings=256,
+    initializer_range=0.1,
+)
+CONFIGS = {
+    "mixtral": lambda: transformers.MixtralConfig(
+        **COMMON, intermediate_size=128, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2
+    ),
+    "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+        **COMMON,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=64,
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[0],
+    ),
+    "qwen3_moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        norm_topk_prob=True,
+    ),
+    "olmoe": lambda: transformers.OlmoeConfig(
+        **COMMON, intermediate_size=32, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, eos_token_id=1
+    ),
+    "deepseek_v3": lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4},
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    ),
+    "gpt_oss": lambda: transformers.GptOssConfig(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=8,
+    ),
+}
+
+
+def tiny_moe(name: str, experts_implementation: str, dtype=torch.bfloat16, seed: int = 0, **overrides) -> nn.Module:
+    config = CONFIGS[name]()
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=experts_implementation)
+    return model.to(dtype).eval()
+
+
+H, I, E, K = 64, 32, 4, 2  # hidden, intermediate, experts, top-k  # noqa: E741
+
+
+class GatherEinsumMoE(nn.Module):
+    """gpt-fast style: separate w1 (gate) / w3 (up) / w2 [E, ...] gathered by `W[topk_ids]`, einsum.
+
+    `gate` names the parameter whose projection goes through the SiLU (w1 in gpt-fast).
+    """
+
+    def __init__(self, gate: str = "w1"):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.w1 = nn.Parameter(torch.randn(E, I, H) * 0.1)
+        self.w3 = nn.Parameter(torch.randn(E, I, H) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(E, H, I) * 0.1)
+        self.gate_param = gate
+
+    def experts(self, x, expert_weights, expert_indices):  # [T, H], [T, K], [T, K] -> [T, H]
+        x1 = torch.einsum("ti,taoi->tao", x, self.w1[expert_indices])
+        x3 = torch.einsum("ti, taoi -> tao", x, self.w3[expert_indices])
+        hidden = F.silu(x1) * x3 if self.gate_param == "w1" else x1 * F.silu(x3)
+        y = torch.einsum("tao,taio->tai", hidden, self.w2[expert_indices])
+        return torch.einsum("tai,ta->ti", y, expert_weights)
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        weights, indices = torch.topk(F.softmax(self.gate(x), dim=-1), K, dim=-1)
+        return self.experts(x, weights / weights.sum(dim=-1, keepdim=True), indices)
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w3, self.w2 = (
+            nn.Linear(H, I, bias=False),
+            nn.Linear(H, I, bias=False),
+            nn.Linear(I, H, bias=False),
+        )
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class ModuleListMoE(nn.Module):
+    """Mixtral v1 style: a ModuleList of expert MLPs. `dense`: every expert runs on every token and a
+    [T, E] scatter of the top-k weights combines them (one graph); else the `torch.where` loop (its
+    frame is skipped by Dynamo unless `capture_dynamic_output_shape_ops`)."""
+
+    def __init__(self, dense: bool):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList([ExpertMLP() for _ in range(E)])
+        self.dense = dense
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        weights, selected = torch.topk(F.softmax(self.gate(x), dim=-1), K, dim=-1)
+        if self.dense:
+            dense_weights = torch.zeros(x.shape[0], E, dtype=x.dtype).scatter(1, selected, weights)  # [T, E]
+            return sum(expert(x) * dense_weights[:, e : e + 1] for e, expert in enumerate(self.experts))
+        out = torch.zeros_like(x)
+        mask = F.one_hot(selected, num_classes=E).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            slot, token = torch.where(mask[e])
+            out.index_add_(0, token, expert(x[token]) * weights[token, slot, None])
+        return out
+
+
+class OneLayer(nn.Module):
+    """x + mlp(x), with the MoE at `layers.0.mlp` like a real decoder."""
+
+    def __init__(self, mlp: nn.Module):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.ModuleDict({"mlp": mlp})])
+
+    def forward(self, x):
+        return x + self.layers[0]["mlp"](x).view(x.shape)
+
+
+class SortedExperts(nn.Module):
+    """The transformers `grouped_mm` experts, written out (bf16: `torch._grouped_mm` compiles only in
+    bf16). `unpermute=False` forgets to restore token order: a near miss that must not be proven."""
+
+    def __init__(self, unpermute: bool = True):
+        super().__init__()
+        self.gate = nn.Linear(H, E, bias=False)
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H) * 0.1)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I) * 0.1)
+        self.unpermute = unpermute
+
+    def forward(self, x):
+        x = x.view(-1, H)
+        weights, ids = torch.topk(F.softmax(self.gate(x), dim=-1), K, dim=-1)
+        sorted_ids, perm = torch.sort(ids.reshape(-1))
+        counts = torch.histc(sorted_ids.float(), bins=E, min=0, max=E - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        gate, up = torch._grouped_mm(x[perm // K], self.gate_up_proj.transpose(-2, -1), offs=offsets).chunk(2, dim=-1)
+        out = torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets)
+        out = out * weights.reshape(-1)[perm].unsqueeze(-1)
+        if self.unpermute:
+            inverse = torch.empty_like(perm)
+            inverse[perm] = torch.arange(perm.size(0))
+            out = out[inverse]
+        return out.view(-1, K, H).sum(dim=1)
