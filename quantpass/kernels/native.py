@@ -44,6 +44,9 @@ from ..quant_registry.keys import (
 )
 from ..quant_registry.qtensor import QTensor
 from .flashinfer_layout import swizzle_128x4
+from .native_moe import fused_moe, supports_moe
+
+__all__ = ["DEVICES", "fused_moe", "linear", "linear_graph", "supports"]
 
 DEVICES = (
     "weight-only: any device; FP8 per-tensor/per-row and INT8 W8A8: cpu, cuda (FP8 sm89+); "
@@ -104,7 +107,7 @@ INT_MM_MIN_ROWS = {"cuda": 17}
 
 def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
     if kind == "moe":
-        return False, "native MoE is not implemented here"
+        return supports_moe(capability, weight, activation, problem)
     if activation is None:
         if weight in WEIGHT_ONLY:
             return True, "dequantize + F.linear (Inductor-visible)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import operator
 from collections import Counter
 
 import torch
@@ -64,3 +65,36 @@ def target_name(target) -> str:
         return str(target).removesuffix(".default")
     module = getattr(target, "__module__", "") or ""
     return f"{module}.{getattr(target, '__name__', repr(target))}".lstrip(".")
+
+
+# In-place writes written as Python operators (`x[i] = v`, `x += y`) in Dynamo graphs.
+INPLACE_OPERATORS = {
+    operator.setitem,
+    operator.iadd,
+    operator.isub,
+    operator.imul,
+    operator.itruediv,
+    operator.ifloordiv,
+}
+
+
+def mutated(node: fx.Node) -> fx.Node | None:
+    """The node an in-place op writes into (`x.add_(b)`, `x[i] = v`, `x /= y`), else None."""
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.op == "call_function" and node.target in INPLACE_OPERATORS:
+        return node.args[0]
+    if node.op == "call_method":
+        name = node.target
+    elif node.op == "call_function" and (getattr(node.target, "__module__", None) or "").startswith("torch"):
+        name = getattr(node.target, "__name__", None)
+    else:
+        name = None
+    return node.args[0] if name and name.endswith("_") and not name.startswith("_") else None
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """DCE that keeps in-place writes: Dynamo graphs are not functionalized, so an unused
+    `copy_`/`scatter_`/`setitem` still changes a tensor someone reads later (DeepSeek-V3's MLA
+    key buffer and router group mask: plain DCE took its logits cosine to 0.69)."""
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated(n) is not None)

@@ -21,7 +21,7 @@ from ..plan import Plan, PlanRow
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantizationConfig, QuantSpec
 from ..weight_cache import WEIGHTS
-from .fx_utils import add_placeholders, copy_graph_module
+from .fx_utils import add_placeholders, copy_graph_module, eliminate_dead_code
 
 logger = logging.getLogger("quantpass")
 
@@ -155,7 +155,7 @@ def quantize_graph(
         extra_inputs.extend(tensors)
         progress.update()
     progress.close()
-    new_gm.graph.eliminate_dead_code()
+    eliminate_dead_code(new_gm.graph)
     new_gm.graph.lint()
     new_gm.recompile()
     return PassResult(new_gm, plan, chosen, extra_inputs)

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, replace
 
 import torch
@@ -12,6 +11,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..kernels.reference import ACTIVATIONS, GATE_UP_LAYOUTS, gated_activation
+from ..passes.fx_utils import mutated
 
 CASTS = {"to", "type", "float", "double", "half", "bfloat16", "int", "long", "contiguous"}
 # `transformers::grouped_mm_fallback` is the opaque op transformers calls for non-bf16 weights under
@@ -54,26 +54,6 @@ def op_name(node: fx.Node) -> str | None:
 
 def is_cast(node) -> bool:
     return isinstance(node, fx.Node) and op_name(node) in CASTS
-
-
-INPLACE_OPERATORS = {
-    operator.setitem,
-    operator.iadd,
-    operator.isub,
-    operator.imul,
-    operator.itruediv,
-    operator.ifloordiv,
-}
-
-
-def mutated(node: fx.Node) -> fx.Node | None:
-    """The node an in-place op writes into (`x.add_(b)`, `x[i] = v`, `x /= y`), else None."""
-    if not node.args or not isinstance(node.args[0], fx.Node):
-        return None
-    if node.op == "call_function" and node.target in INPLACE_OPERATORS:
-        return node.args[0]
-    name = op_name(node)
-    return node.args[0] if name and name.endswith("_") and not name.startswith("_") else None
 
 
 # ----------------------------------------------------------------------------- region
