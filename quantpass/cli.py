@@ -206,8 +206,6 @@ def _run(args, configs) -> int:
     from .report import comparison, run_table, summary_table
 
     options = {"lowering": args.lowering, "verify": not args.no_verify}
-    if args.debug_dir:
-        options["debug_dir"] = args.debug_dir
     for _, config in configs:
         BackendOptions.parse(config=config, **options)  # bad options fail before any work
     if args.threads:
@@ -225,10 +223,11 @@ def _run(args, configs) -> int:
     results = []
     for i, (label, config) in enumerate(configs, start=2):
         _step(f"[{i}/{steps}] {label}: compiling with quantpass ({args.lowering}) and generating")
-        with depyf_session(None if not args.debug_dir else f"{args.debug_dir}/{label}"):
+        debug_dir = f"{args.debug_dir}/{label}" if args.debug_dir else None  # compile_NNN/ and depyf/
+        with depyf_session(debug_dir):
             result = _guarded(
-                lambda config=config, label=label: measure(
-                    loaded.model, ids, config, label, new_tokens=args.new_tokens, **options
+                lambda config=config, label=label, debug_dir=debug_dir: measure(
+                    loaded.model, ids, config, label, new_tokens=args.new_tokens, debug_dir=debug_dir, **options
                 )
             )
         results.append(result)

@@ -1,5 +1,6 @@
 """Debug output: per-compile folders with graphs, plan and depyf's dumps (issue #6)."""
 
+import pytest
 import torch
 from tiny_models import Block
 
@@ -33,6 +34,15 @@ def test_env_flag_turns_debug_output_on(tmp_path, monkeypatch):
         torch.compile(Block(), backend=qp.backend(linear="fp8_per_channel", lowering="aot_eager"))(torch.randn(3, 64))
     (folder,) = compile_folders(tmp_path)
     assert (folder / "after.py").is_file() and (folder / "dynamo_code.py").is_file()
+
+
+def test_plain_torch_compile_inside_depyf_prepare_debug(tmp_path):
+    depyf = pytest.importorskip("depyf")
+    torch._dynamo.reset()
+    compiled = torch.compile(Block(), backend=qp.backend(linear="int8_per_channel", lowering="aot_eager"))
+    with depyf.prepare_debug(str(tmp_path)), torch.no_grad():  # the README's recipe for this door
+        compiled(torch.randn(4, 64))
+    assert any(p.name.startswith("full_code_for_") for p in tmp_path.iterdir())
 
 
 def test_decorator_adds_depyf_session_dumps(tmp_path):
