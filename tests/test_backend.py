@@ -107,8 +107,8 @@ def test_quantized_once_however_many_compiles():
     assert WEIGHTS.builds == builds + 2  # two linears, quantized once each
 
 
-def test_dynamic_sequence_lengths_do_not_recompile(llama):
-    model, _, _ = llama
+def test_dynamic_sequence_lengths_do_not_recompile():
+    model = tiny_llama(layers=1)
     torch._dynamo.reset()
     backend = qp.backend(linear="fp8_per_channel", lowering="aot_eager")
     compiled = torch.compile(model, backend=backend, dynamic=True)

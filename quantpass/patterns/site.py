@@ -89,14 +89,22 @@ def source_fqn(node: fx.Node) -> str | None:
     """
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
-    if source is None:
-        return None
+    if source is None:  # Dynamo drops `grapharg` once the backend returns: decode the node's name
+        return _name_fqn(str(node.target))
     name = source.name() if callable(source.name) else source.name
     start = re.search(r"\._(?:modules|parameters|buffers)\[", name)
     if start is None:
         return None
     parts = [next(g for g in m.groups() if g is not None) for m in _SOURCE_PART.finditer(name, start.start())]
     return ".".join(parts)
+
+
+def _name_fqn(name: str) -> str | None:
+    """`L_self_modules_model_modules_layers_modules_0_parameters_weight_` -> `model.layers.0.weight`."""
+    match = re.search(r"_(?:modules|parameters|buffers)_(.+?)_?$", name)
+    if match is None:
+        return None
+    return re.sub(r"_(?:modules|parameters|buffers)_", ".", match.group(1))
 
 
 def param_refs(graph: fx.Graph, example_inputs) -> dict[fx.Node, ParamRef]:

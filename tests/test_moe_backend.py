@@ -1,0 +1,83 @@
+"""MoE end to end through the quantpass backend on tiny transformers models (issue #5).
+
+Each (model, experts implementation) is captured by Dynamo once; the backend then compiles that
+same graph once per MoE format. That is exactly what `torch.compile(backend="quantpass")` does
+after tracing, without paying Dynamo's trace 96 times. One test goes through torch.compile itself.
+"""
+
+import functools
+
+import pytest
+import torch
+from tiny_models import token_ids
+from tiny_moe_models import tiny_moe
+
+import quantpass as qp
+from quantpass.kernels.oracle import MOE_CANDIDATES
+from quantpass.metrics import cosine
+from quantpass.passes.fx_utils import copy_graph_module, op_counts
+
+MODELS = ["mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3"]
+MOE_LAYERS = {"mixtral": 2, "qwen3_moe": 2, "gpt_oss": 2, "deepseek_v3": 1}  # DeepSeek: first layer dense
+IMPLEMENTATIONS = {"grouped_mm": torch.bfloat16, "batched_mm": torch.float32}  # grouped_mm compiles in bf16 only
+PAIRS = sorted(MOE_CANDIDATES, key=str)
+EXPERT_MATMULS = ("torch._grouped_mm", "transformers.grouped_mm_fallback", "torch.bmm", "torch.functional.einsum")
+
+
+@functools.cache
+def captured(name, implementation):
+    """(Dynamo's graph, its example inputs, the model's logits) for one tiny model."""
+    model = tiny_moe(name, implementation, dtype=IMPLEMENTATIONS[implementation])
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append((copy_graph_module(gm), list(example_inputs)))  # the copy keeps Dynamo's metadata
+        return gm.forward
+
+    ids = token_ids(length=9)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = model(ids).logits
+        torch.compile(model, backend=capture, fullgraph=True)(ids)
+    ((gm, example_inputs),) = graphs
+    return gm, example_inputs, logits
+
+
+def logits_of(outputs, like):
+    return next(o for o in outputs if isinstance(o, torch.Tensor) and o.shape == like.shape)
+
+
+@pytest.mark.parametrize("implementation", sorted(IMPLEMENTATIONS))
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("pair", PAIRS, ids=[f"{w}-{a}" for w, a in PAIRS])
+def test_every_moe_format_on_real_models(name, implementation, pair):
+    gm, example_inputs, reference_logits = captured(name, implementation)
+    spec = {"weight": str(pair[0]), "activation": None if pair[1] is None else str(pair[1])}
+    backend = qp.backend(moe=spec, lowering="eager")  # MoE only: linears stay as they are
+    with torch.no_grad():
+        logits = logits_of(backend(gm, example_inputs)(*example_inputs), reference_logits)
+    moe_rows = [row for row in backend.plan.rows if row.kind == "moe"]
+    assert len(moe_rows) == MOE_LAYERS[name] and all(row.quantized for row in moe_rows), backend.plan
+    assert all(row.fqn.endswith("mlp.experts") for row in moe_rows), backend.plan
+    assert "verified" in moe_rows[0].reason  # once per (spec, backend, shape): the first layer
+    ((_, after),) = backend.graphs
+    counts = op_counts(after)
+    assert counts["quantpass.fused_moe"] == MOE_LAYERS[name]
+    assert not any(counts[op] for op in EXPERT_MATMULS), counts
+    floor = 0.96 if 4 in (pair[0].bits, getattr(pair[1], "bits", 16)) else 0.99
+    assert cosine(reference_logits, logits) >= floor
+
+
+def test_through_torch_compile_with_linears_too():
+    model = tiny_moe("qwen3_moe", "grouped_mm", dtype=torch.bfloat16)
+    ids = token_ids(length=9)
+    backend = qp.backend(linear="fp8_per_channel", moe="mxfp8", lowering="aot_eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        reference_logits = model(ids).logits
+        logits = torch.compile(model, backend=backend)(ids).logits
+    summary = backend.plan.summary()
+    assert "moe: 2 quantized (mxfp8; reference 2)" in summary, summary
+    routers = [row for row in backend.plan.rows if row.fqn.endswith("mlp.gate")]
+    assert routers and all(not row.quantized and "router" in row.reason for row in routers)
+    assert cosine(reference_logits, logits) >= 0.99
