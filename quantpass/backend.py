@@ -132,12 +132,33 @@ def quantpass_backend(gm, example_inputs, options: dict | None = None, mode: str
     return backend(**(options or {}))(gm, example_inputs)
 
 
+def experts_warning(model) -> str | None:
+    """Why a transformers MoE model's experts would never reach quantpass, or None.
+
+    transformers' "eager" experts implementation loops over experts with data-dependent shapes:
+    Dynamo breaks the graph there and no expert weight appears in any graph (measured on
+    Mixtral/Qwen3-MoE/DeepSeek-V3/GPT-OSS, transformers 5.x); `grouped_mm`/`batched_mm` give one.
+    """
+    config = getattr(model, "config", None)
+    if getattr(config, "_experts_implementation", None) != "eager":
+        return None
+    if not any(name.endswith("experts") for name, _ in model.named_modules()):
+        return None
+    return (
+        f"{type(model).__name__} uses transformers' 'eager' experts implementation: Dynamo breaks the graph "
+        "in its expert loop, so quantpass never sees the expert weights; call "
+        "model.set_experts_implementation('grouped_mm') (or 'batched_mm') before compiling"
+    )
+
+
 def explain(model, *example_inputs, config: QuantizationConfig | dict | None = None, **options) -> Plan:
     """What quantpass would do to `model` on these inputs: captures with Dynamo, quantizes nothing.
 
     Runs the model once (uncompiled, under `torch.no_grad()`: quantpass is for inference).
     """
     opts = BackendOptions.parse(config=config, **options)
+    if warning := experts_warning(model):
+        logger.warning("%s", warning)
     plan = Plan()
 
     def planner(gm, inputs):

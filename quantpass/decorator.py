@@ -16,15 +16,18 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 import types
 import typing
 from dataclasses import dataclass, field
 
 import torch
 
-from .backend import BackendOptions, QuantpassBackend
+from .backend import BackendOptions, QuantpassBackend, experts_warning
 from .debug import depyf_session
 from .plan import Plan
+
+logger = logging.getLogger("quantpass")
 
 BATCH_DIM = 0  # the dim marked dynamic for tensor-annotated forward arguments
 
@@ -146,6 +149,8 @@ def _first_call(self, args, kwargs):
         self.__dict__["_quantpass_state"] = False
         return torch.nn.Module.__call__(self, *args, **kwargs)
     _mark_dynamic(type(self), settings, args, kwargs)
+    if warning := experts_warning(self):
+        logger.warning("%s", warning)
     self.compile(backend=settings.backend)
     state = self.__dict__["_quantpass_state"] = {"settings": settings, "plans": {}}
     with depyf_session(settings.backend.quantpass.options.debug_dir):

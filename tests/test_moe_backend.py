@@ -81,3 +81,11 @@ def test_through_torch_compile_with_linears_too():
     routers = [row for row in backend.plan.rows if row.fqn.endswith("mlp.gate")]
     assert routers and all(not row.quantized and "router" in row.reason for row in routers)
     assert cosine(reference_logits, logits) >= 0.99
+
+
+def test_eager_experts_implementation_is_called_out(caplog):
+    model = tiny_moe("mixtral", "eager", dtype=torch.float32)
+    caplog.set_level("WARNING", logger="quantpass")
+    plan = qp.explain(model, token_ids(length=5), moe="mxfp8")
+    assert not [row for row in plan.rows if row.kind == "moe"]  # the experts never reach a graph
+    assert any("set_experts_implementation('grouped_mm')" in r.message for r in caplog.records)
