@@ -43,7 +43,7 @@ class Binding:
     """How the runtime wrapper builds one site's extra graph inputs from the call's parameters."""
 
     param_indices: tuple[int, ...]
-    token: tuple
+    token: int  # WEIGHTS.intern((site type, spec pair, backend, layout)): what is built
     build: Callable[[list[torch.Tensor]], tuple[list[QTensor], list[torch.Tensor]]]
 
     def tensors(self, args) -> list[torch.Tensor]:
@@ -127,7 +127,7 @@ def _binding(q: QuantizedSite) -> Binding:
         return qtensors, [t for qt in qtensors for t in qt.tensors() if t is not None]
 
     token = (type(site).__name__, spec.pair, backend, tuple(p.transposed for p in site.params), site.signature())
-    return Binding(tuple(p.index for p in site.params), token, build)
+    return Binding(tuple(p.index for p in site.params), WEIGHTS.intern(token), build)
 
 
 def quantize_graph(
