@@ -1,6 +1,7 @@
 # Targets: test (default CPU tier), test-gpu (GPU tier, needs CUDA), bench, lint.
 PYTHON ?= python
 PYTEST_WORKERS ?= 2
+BENCH_ARGS ?=  # e.g. --bench-threads 1, --bench-suite gpu-quick, --benchmark-json out.json (bench/README.md)
 
 .PHONY: test test-gpu bench lint format
 
@@ -11,7 +12,7 @@ test-gpu:
 	$(PYTHON) -m pytest tests -q -m gpu
 
 bench:
-	$(PYTHON) -m pytest bench -q --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds
+	$(PYTHON) -m pytest bench -q -rs --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds $(BENCH_ARGS)
 
 lint:
 	ruff check quantpass tests bench
