@@ -51,7 +51,7 @@ LINEAR_CANDIDATES: dict[Pair, list[str]] = {
     (kMxfp4Static,           None):                 ["triton", "native", "reference"],
     (kMxfp4Static,           kMxfp8Dynamic):        ["triton", "reference"],
     (kNvfp4Static,           kNvfp4Dynamic):        ["native", "reference"],
-    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["native", "triton", "reference"],
+    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["cpu", "native", "triton", "reference"],
     (kFp8StaticChannelSym,   None):                 ["triton", "native", "reference"],
     (kInt8StaticChannelSym,  None):                 ["cpu", "triton", "native", "reference"],
     (kInt4StaticGroup128Sym, None):                 ["cpu", "triton", "native", "reference"],
