@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .keys import E8M0, FP4, FP8, INT4, INT8, QuantKey
+from .keys import E8M0, FP4, FP8, INT4, INT8, PER_ROW, PER_TENSOR, QuantKey
 from .qtensor import QTensor
 
 
@@ -91,6 +91,8 @@ def quantize(x: torch.Tensor, key: QuantKey, name: str = "tensor") -> QTensor:
     if key.static and not bool(torch.isfinite(x).all()):
         raise ValueError(f"cannot quantize {name} with {key}: it contains NaN or Inf")
     element = ELEMENTS[key.dtype]
+    if key.group_shape in (PER_ROW, PER_TENSOR) and key.scale.dtype == torch.float32 and not element.packed:
+        return _quantize_whole_rows(x, key, element, shape, dtype)
     groups = _grouped(x.float(), key)  # [..., R/gr, gr, C/gc, gc]
     group_amax = groups.abs().amax(dim=(-3, -1), keepdim=True)
     amax = group_amax.clamp(min=AMAX_EPS)
@@ -121,6 +123,16 @@ def quantize(x: torch.Tensor, key: QuantKey, name: str = "tensor") -> QTensor:
         shape=shape,
         dtype=dtype,
     )
+
+
+def _quantize_whole_rows(x, key: QuantKey, element: Element, shape, dtype) -> QTensor:
+    """Per-row / per-tensor FP8 and INT8: the same numbers as the grouped path in a handful of ops.
+    Native W8A8 graphs trace this once per linear: the grouped path's reshapes and padding checks
+    were 4.4 s of an 8.3 s Inductor compile of the dense preset (32 linears, measured 2026-11-29)."""
+    values = x.float()
+    dims = (-1,) if key.group_shape == PER_ROW else (-2, -1)
+    scale = values.abs().amax(dim=dims, keepdim=True).clamp(min=AMAX_EPS) / element.max
+    return QTensor(_encode(values / scale, key.dtype).contiguous(), scale, None, key, shape, dtype)
 
 
 def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -167,13 +179,15 @@ def _round(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _encode(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values already divided by their scale -> stored elements (packed for 4-bit)."""
-    values = _round(scaled, dtype)  # exact element values from here on
+    if dtype in (FP8, INT8):  # one saturating cast (integers round to nearest first)
+        limit = ELEMENTS[dtype].max
+        scaled = scaled.clamp(-limit, limit)
+        return (scaled if dtype == FP8 else scaled.round()).to(dtype)
+    values = _round(scaled, dtype)  # 4-bit: exact element values, then packed two per byte
     if dtype == INT4:
         return _pack_grouped(values, pack_int4)
-    if dtype == FP4:
-        f32_to_f4, _, pack, _ = _fp4_codec()
-        return _pack_grouped(f32_to_f4(values.contiguous()), pack)
-    return values.to(dtype)
+    f32_to_f4, _, pack, _ = _fp4_codec()
+    return _pack_grouped(f32_to_f4(values.contiguous()), pack)
 
 
 def _pack_grouped(values: torch.Tensor, pack) -> torch.Tensor:
