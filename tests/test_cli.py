@@ -67,7 +67,7 @@ def test_explain_loads_a_local_checkpoint_directory(capsys, tmp_path):
     load_model("dense", device="cpu").model.save_pretrained(tmp_path)  # config.json + model.safetensors
     argv = ["explain", "--model", str(tmp_path), "--quantization", "int8_per_channel", "--prompt-length", "8"]
     assert main([*argv, "--json", str(tmp_path / "plan.json")]) == 0
-    assert "linear: 14 quantized (int8_per_channel; native 14) | 1 skipped" in capsys.readouterr().out
+    assert "linear: 14 quantized (int8_per_channel; cpu 14) | 1 skipped" in capsys.readouterr().out
     assert json.loads((tmp_path / "plan.json").read_text())["model"] == str(tmp_path)
 
 

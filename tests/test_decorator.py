@@ -35,7 +35,7 @@ def test_compiles_on_first_call_and_holds_the_plan():
         out = block(x)
         assert cosine(Block.forward(block, x), out) > 0.999
     assert compiles(AnnotatedBlock) == 1
-    assert block.quantpass_plan.summary() == "linear: 2 quantized (int8_per_channel; native 2) | 0 skipped"
+    assert block.quantpass_plan.summary() == "linear: 2 quantized (int8_per_channel; cpu 2) | 0 skipped"
     assert {row.fqn for row in block.quantpass_plan.rows} == {"up", "down"}
 
 
