@@ -43,9 +43,14 @@ def linear(
     out_features: int,
 ) -> Tensor:
     """x [..., K] -> [..., out_features] through `backend`'s kernel."""
-    module = oracle.backend_module(backend)
+    kernel = oracle.backend_module(backend).linear
+    return run_linear(kernel, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features)
+
+
+def run_linear(kernel, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features):
+    """The op's body for a backend's `linear(x2d, QTensor, activation_key, bias)` (graph ops reuse it)."""
     weight = weight_view(w_data, w_scale, w_scale2, weight_key, out_features, x.shape[-1], x.dtype)
-    out = module.linear(x.reshape(-1, x.shape[-1]), weight, key_from_arg(activation_key), bias)
+    out = kernel(x.reshape(-1, x.shape[-1]), weight, key_from_arg(activation_key), bias)
     return out.reshape(*x.shape[:-1], out_features)
 
 
@@ -79,27 +84,26 @@ def fused_moe(
     limit: float,
 ) -> Tensor:
     """hidden [T, H], topk [T, k] -> [T, H]: the experts of one MoE layer, routing already done."""
-    module = oracle.backend_module(backend)
-    hidden_size = hidden.shape[-1]
-    w13 = weight_view(w13_data, w13_scale, w13_scale2, weight_key, 2 * intermediate_size, hidden_size, hidden.dtype)
-    w2 = weight_view(w2_data, w2_scale, w2_scale2, weight_key, hidden_size, intermediate_size, hidden.dtype)
+    kernel = oracle.backend_module(backend).fused_moe
+    weights = (w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
+    gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
+    return run_fused_moe(kernel, hidden, topk_weights, topk_ids, *weights, b13, b2, expert_map,
+                         weight_key, activation_key, intermediate_size, *gated)  # fmt: skip
+
+
+def run_fused_moe(
+    kernel, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2,
+    b13, b2, expert_map, weight_key, activation_key, intermediate_size, activation, gate_up_layout,
+    apply_router_weight_on_input, alpha, limit,
+):  # fmt: skip
+    """The op's body for a backend's `fused_moe` (see `reference.fused_moe`; graph ops reuse it)."""
+    hidden_size, dtype = hidden.shape[-1], hidden.dtype
+    w13 = weight_view(w13_data, w13_scale, w13_scale2, weight_key, 2 * intermediate_size, hidden_size, dtype)
+    w2 = weight_view(w2_data, w2_scale, w2_scale2, weight_key, hidden_size, intermediate_size, dtype)
     flat = hidden.reshape(-1, hidden_size)
-    out = module.fused_moe(
-        flat,
-        topk_weights.reshape(flat.shape[0], -1),
-        topk_ids.reshape(flat.shape[0], -1),
-        w13,
-        w2,
-        b13,
-        b2,
-        expert_map,
-        key_from_arg(activation_key),
-        activation,
-        gate_up_layout,
-        apply_router_weight_on_input,
-        alpha,
-        limit,
-    )
+    routing = (topk_weights.reshape(flat.shape[0], -1), topk_ids.reshape(flat.shape[0], -1))
+    gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
+    out = kernel(flat, *routing, w13, w2, b13, b2, expert_map, key_from_arg(activation_key), *gated)
     return out.reshape(hidden.shape)
 
 

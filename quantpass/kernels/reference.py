@@ -87,20 +87,21 @@ def fused_moe(
     if apply_router_weight_on_input:
         x = x * router
     x = fake_quantize(x.to(hidden.dtype), activation_key)
-    h = torch.empty(x.shape[0], w13.shape[-2], dtype=torch.float32, device=hidden.device)
-    for expert in experts.unique().tolist():
-        rows = experts == expert
-        h[rows] = x[rows] @ dequantize(w13[expert], torch.float32).t()
-        if b13 is not None:
-            h[rows] += b13[expert].float()
+    h = _per_expert(x, experts, w13, b13)
     a = fake_quantize(gated_activation(h, activation, gate_up_layout, alpha, limit).to(hidden.dtype), activation_key)
-    y = torch.empty(x.shape[0], hidden.shape[-1], dtype=torch.float32, device=hidden.device)
-    for expert in experts.unique().tolist():
-        rows = experts == expert
-        y[rows] = a[rows] @ dequantize(w2[expert], torch.float32).t()
-        if b2 is not None:
-            y[rows] += b2[expert].float()
+    y = _per_expert(a, experts, w2, b2)
     if not apply_router_weight_on_input:
         y = y * router
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, y).to(hidden.dtype)
+
+
+def _per_expert(x: torch.Tensor, experts: torch.Tensor, weight: QTensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """Row r of x [R, K] times its expert's dequantized weight [E, N, K] (+ bias [E, N]) -> [R, N] fp32."""
+    out = torch.empty(x.shape[0], weight.shape[-2], dtype=torch.float32, device=x.device)
+    for expert in experts.unique().tolist():
+        rows = experts == expert
+        out[rows] = x[rows] @ dequantize(weight[expert], torch.float32).t()
+        if bias is not None:
+            out[rows] += bias[expert].float()
+    return out

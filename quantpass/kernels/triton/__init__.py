@@ -112,9 +112,7 @@ def _graph_ops():
         backend: str,
         out_features: int,
     ) -> Tensor:
-        weight = ops.weight_view(w_data, w_scale, w_scale2, weight_key, out_features, x.shape[-1], x.dtype)
-        out = linear(x.reshape(-1, x.shape[-1]), weight, ops.key_from_arg(activation_key), bias)
-        return out.reshape(*x.shape[:-1], out_features)
+        return ops.run_linear(linear, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features)
 
     @triton_op("quantpass::triton_fused_moe", mutates_args=())
     def triton_fused_moe(
@@ -140,14 +138,9 @@ def _graph_ops():
         alpha: float,
         limit: float,
     ) -> Tensor:
-        hidden_size, dtype = hidden.shape[-1], hidden.dtype
-        w13 = ops.weight_view(w13_data, w13_scale, w13_scale2, weight_key, 2 * intermediate_size, hidden_size, dtype)
-        w2 = ops.weight_view(w2_data, w2_scale, w2_scale2, weight_key, hidden_size, intermediate_size, dtype)
-        flat = hidden.reshape(-1, hidden_size)
-        routing = (topk_weights.reshape(flat.shape[0], -1), topk_ids.reshape(flat.shape[0], -1))
-        key = ops.key_from_arg(activation_key)
+        weights = (w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
         gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
-        out = fused_moe(flat, *routing, w13, w2, b13, b2, expert_map, key, *gated)
-        return out.reshape(hidden.shape)
+        return ops.run_fused_moe(fused_moe, hidden, topk_weights, topk_ids, *weights, b13, b2, expert_map,
+                                 weight_key, activation_key, intermediate_size, *gated)  # fmt: skip
 
     return torch.ops.quantpass.triton_linear.default, torch.ops.quantpass.triton_fused_moe.default
