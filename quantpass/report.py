@@ -26,11 +26,7 @@ def table(headers, rows, markdown: bool = False) -> str:
 def format_rows() -> list[list[str]]:
     """One row per (name, kind): name, weight key, activation key, kind, then the backends that
     can run it on each reference device, in the oracle's priority order."""
-    backends = {}  # (kind, weight, activation) -> {device: [backends]}
-    for row in kernel_table():
-        per_device = backends.setdefault((row["kind"], row["weight"], row["activation"]), {})
-        for device in row["devices"]:
-            per_device.setdefault(device, []).append(row["backend"])
+    backends = {(row["kind"], row["weight"], row["activation"]): row["backends"] for row in kernel_table()}
     names = {pair: name for name, pair in reversed(SHORTHANDS.items())}  # first shorthand per pair wins
     pairs = list(dict.fromkeys([*SHORTHANDS.values(), *(p for table in CANDIDATES.values() for p in table)]))
     rows = []

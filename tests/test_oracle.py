@@ -35,8 +35,9 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
 @pytest.mark.parametrize(
     ("kind", "spec", "capability", "problem", "expected"),
     [
-        ("linear", "fp8_per_channel", CPU, BIG, "native"),  # torch._scaled_mm per-row works on CPU
-        ("linear", "fp8_per_tensor", CPU, BIG, "native"),
+        ("linear", "fp8_per_channel", CPU, BIG, "reference"),  # no FP8 units: _scaled_mm emulates (CPU_PRIORITY)
+        ("linear", "fp8_per_tensor", CPU, BIG, "reference"),
+        ("linear", "fp8_per_channel", H200, BIG, "native"),  # torch._scaled_mm, activation quant fused
         ("linear", "fp8_per_block", CPU, BIG, "reference"),  # no block _scaled_mm on CPU; Triton only if named
         ("linear", "fp8_per_block", H200, BIG, "triton"),
         ("linear", "int8_per_channel", CPU, BIG, "cpu"),  # torch._int_mm is 10x slower at prefill here
@@ -79,7 +80,8 @@ def test_rejections_are_recorded_in_priority_order():
 def test_named_backend_wins_and_reasons_say_so():
     selection = choose("linear", "fp8_per_channel", CPU_INTERPRETER, backend="triton")
     assert (selection.backend, selection.reason) == ("triton", "named by the user")
-    assert choose("linear", "fp8_per_channel", CPU, backend="auto").backend == "native"
+    assert choose("linear", "fp8_per_channel", CPU, backend="native").backend == "native"
+    assert choose("linear", "fp8_per_channel", CPU, backend="auto").backend == "reference"
 
 
 def test_named_backend_that_cannot_run_raises_its_reason():
@@ -134,7 +136,7 @@ def test_auto_with_nothing_left_lists_every_rejection(monkeypatch):
     with pytest.raises(NoKernelError) as err:
         choose("linear", "fp8_per_channel", CPU)
     message = str(err.value)
-    assert message.startswith("no backend can run linear kFp8StaticChannelSym/kFp8DynamicTokenSym on cpu: ")
+    assert message.startswith("no backend can run linear kFp8StaticChannelSym/kFp8DynamicTokenSym on cpu: reference: ")
     for name in ("native: disabled", "triton: not chosen automatically", "reference: disabled"):
         assert name in message
 
@@ -184,11 +186,20 @@ def test_selection_is_cached():
     assert choose("linear", "int8_weight_only", CPU) is first
 
 
-def test_kernel_table_covers_every_row_and_asks_each_kernel():
+def test_device_priorities_only_reorder_the_table():
+    for device, by_kind in oracle.PRIORITY_BY_DEVICE.items():
+        for kind, rows in by_kind.items():
+            for pair, ordered in rows.items():
+                assert sorted(ordered) == sorted(oracle.CANDIDATES[kind][pair]), (device, kind, pair)
+
+
+def test_kernel_table_asks_each_kernel_per_device_in_priority_order():
     rows = oracle.kernel_table()
-    expected = sum(len(b) for table in oracle.CANDIDATES.values() for b in table.values())
-    assert len(rows) == expected
-    by_key = {(r["kind"], r["weight"], r["activation"], r["backend"]): r["devices"] for r in rows}
-    assert by_key[("linear", keys.kInt4StaticGroup128Sym, None, "cpu")] == ["cpu"]
-    assert by_key[("linear", keys.kMxfp8Static, keys.kMxfp8Dynamic, "flashinfer")] == ["cuda sm100"]
-    assert by_key[("linear", keys.kMxfp8Static, keys.kMxfp8Dynamic, "reference")] == ["cpu", "cuda sm90", "cuda sm100"]
+    assert len(rows) == sum(len(table) for table in oracle.CANDIDATES.values())
+    by_key = {(r["kind"], r["weight"], r["activation"]): r["backends"] for r in rows}
+    int4 = by_key[("linear", keys.kInt4StaticGroup128Sym, None)]
+    assert int4["cpu"] == ["cpu", "native", "reference"] and int4["cuda sm90"][0] == "triton"
+    mxfp8 = by_key[("linear", keys.kMxfp8Static, keys.kMxfp8Dynamic)]
+    assert mxfp8["cuda sm100"][0] == "flashinfer" and "flashinfer" not in mxfp8["cuda sm90"]
+    assert by_key[("linear", keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym)]["cpu"] == ["reference", "native"]
+    assert all("reference" in backends for row in rows for backends in row["backends"].values())

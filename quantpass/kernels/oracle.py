@@ -75,6 +75,28 @@ MOE_CANDIDATES: dict[Pair, list[str]] = {
 # fmt: on
 CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
 
+# Platform-gated priorities: the same backends, reordered for one device type. CPU has no FP8
+# matrix units: torch._scaled_mm emulates and ran at the reference's speed (4096x4096, 1 thread,
+# 2026-11-29: 141 vs 147 ms at M=1, 208 vs 220 ms at M=128), while tracing native's activation
+# quantization into every graph made the dense preset compile 1.5x plain Inductor (the opaque
+# reference op: 1.0x). Native stays available by name.
+# fmt: off
+CPU_PRIORITY = {
+    "linear": {
+        (kFp8StaticTensorSym,  kFp8DynamicTensorSym): ["reference", "native", "triton"],
+        (kFp8StaticChannelSym, kFp8DynamicTokenSym):  ["reference", "native", "triton"],
+    },
+}
+# fmt: on
+PRIORITY_BY_DEVICE = {"cpu": CPU_PRIORITY}
+
+
+def candidates(kind: str, pair: Pair, device: str) -> list[str] | None:
+    """The backends for a pair on a device type, in priority order (None: no kernel for the pair)."""
+    gated = PRIORITY_BY_DEVICE.get(device, {}).get(kind, {}).get(pair)
+    return gated if gated is not None else CANDIDATES[kind].get(pair)
+
+
 # Backends the oracle never picks on its own on a device type (a user may still name them):
 # Triton on CPU runs only under the interpreter, ~6 ms per program per K step (DESIGN.md §7).
 NOT_AUTO_ON = {"cpu": {"triton"}}
@@ -189,19 +211,19 @@ def _disabled() -> frozenset[str]:
 @functools.lru_cache(maxsize=4096)
 def _select(kind, weight, activation, capability, problem, named, disabled) -> Selection:
     pair = (weight, activation)
-    candidates = CANDIDATES[kind].get(pair)
-    if candidates is None:
+    ordered = candidates(kind, pair, capability.device)
+    if ordered is None:
         supported = sorted(f"{w}/{a}" for w, a in CANDIDATES[kind])
         raise NoKernelError(
             f"no {kind} kernel for weight {weight} with activation {activation}; supported pairs: {supported}"
         )
     if named is not None:
-        if named not in candidates:
+        if named not in ordered:
             offered = [str(a) for a in variants(kind, named, weight)]
             raise NoKernelError(
                 f"backend {named!r} has no {kind} kernel for weight {weight} with activation {activation}"
                 + (f"; it takes activations {offered} with this weight" if offered else "")
-                + f"; backends for this pair: {', '.join(candidates)}"
+                + f"; backends for this pair: {', '.join(ordered)}"
             )
         ok, why = backend_module(named).supports(kind, capability, weight, activation, problem)
         if not ok:
@@ -210,7 +232,7 @@ def _select(kind, weight, activation, capability, problem, named, disabled) -> S
             )
         return _chosen(kind, pair, Selection(named, "named by the user"))
     rejected = {}
-    for name in candidates:
+    for name in ordered:
         if name in disabled:
             rejected[name] = "disabled by QUANTPASS_DISABLED_BACKENDS"
             continue
@@ -224,7 +246,7 @@ def _select(kind, weight, activation, capability, problem, named, disabled) -> S
             continue
         ok, why = module.supports(kind, capability, weight, activation, problem)
         if ok:
-            return _chosen(kind, pair, Selection(name, why or f"first supported of {candidates}", rejected))
+            return _chosen(kind, pair, Selection(name, why or f"first supported of {ordered}", rejected))
         rejected[name] = why
     listing = "; ".join(f"{b}: {r}" for b, r in rejected.items())
     raise NoKernelError(f"no backend can run {kind} {weight}/{activation} on {_where(capability)}: {listing}")
@@ -256,18 +278,18 @@ REFERENCE_CAPABILITIES = {
 
 
 def kernel_table(problem: Problem = Problem(n=4096, k=4096)) -> list[dict]:
-    """What runs where, asked of each kernel's own `supports`: one row per (kind, pair, backend)."""
+    """What runs where: per (kind, pair), for each reference device, the backends whose own
+    `supports` says yes, in that device's priority order."""
     rows = []
     for kind, table in CANDIDATES.items():
-        for (weight, activation), backends in table.items():
-            for backend in backends:
-                module = backend_module(backend)
-                devices = [
-                    where
-                    for where, capability in REFERENCE_CAPABILITIES.items()
-                    if module.supports(kind, capability, weight, activation, problem)[0]
+        for weight, activation in table:
+            backends = {
+                where: [
+                    name
+                    for name in candidates(kind, (weight, activation), capability.device)
+                    if backend_module(name).supports(kind, capability, weight, activation, problem)[0]
                 ]
-                rows.append(
-                    {"kind": kind, "weight": weight, "activation": activation, "backend": backend, "devices": devices}
-                )
+                for where, capability in REFERENCE_CAPABILITIES.items()
+            }
+            rows.append({"kind": kind, "weight": weight, "activation": activation, "backends": backends})
     return rows
