@@ -55,22 +55,11 @@ class _PlanRecordingBackend:
         plan = self.quantpass.plans[-1] if len(self.quantpass.plans) > compiled_before else Plan()
         ran = self.ran
 
-        def run(*args):
+        def run(*args):  # Dynamo calls a backend's result with *args, whatever `_boxed_call` says
             ran.append(plan)
             return compiled(*args)
 
-        if getattr(compiled, "_boxed_call", False):  # boxed convention: one list argument
-            run = _boxed(compiled, plan, ran)
         return run
-
-
-def _boxed(compiled, plan, ran):
-    def run(args):
-        ran.append(plan)
-        return compiled(args)
-
-    run._boxed_call = True
-    return run
 
 
 def compile(cls=None, *, enabled: bool = True, dynamic_arg_dims=None, enable_if=None, **options):

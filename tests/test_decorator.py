@@ -147,3 +147,19 @@ def test_bad_options_fail_at_decoration():
         qp.compile(dynamic_arg_dims={"y": 0})(Block)
     with pytest.raises(TypeError, match="decorates torch.nn.Module subclasses"):
         qp.compile(linear="fp8_per_channel")(object)
+
+
+def test_a_class_with_nothing_to_quantize_still_runs():
+    """Every layer ignored: the backend lowers the graph unchanged (AOTAutograd here), and the
+    decorator must call that with Dynamo's *args convention."""
+
+    @qp.compile(linear="int8_per_channel", ignore=["*"], lowering="aot_eager")
+    class Ignored(Block):
+        pass
+
+    block = Ignored()
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        assert torch.allclose(block(x), Block.forward(block, x))
+        assert torch.allclose(block(x), Block.forward(block, x))
+    assert block.quantpass_plan.quantized() == [] and len(block.quantpass_plan.rows) == 2
