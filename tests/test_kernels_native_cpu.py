@@ -10,11 +10,12 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from quantpass.kernels import cpu, native, oracle, reference
+from quantpass.kernels import cpu, cpu_avx2, native, oracle, reference
 from quantpass.kernels.ops import key_arg, linear_call, prepare_weight
 from quantpass.kernels.oracle import Capability, Problem
 from quantpass.metrics import sqnr
 from quantpass.quant_registry import QTensor, quantize
+from quantpass.quant_registry.formats import unpack_int4
 from quantpass.quant_registry.keys import (
     kFp8Dynamic128Sym,
     kFp8DynamicTensorSym,
@@ -92,11 +93,21 @@ def test_native_matches_reference(pair, dtype, m, n, k):
     check(native.linear(x, qt, pair[1], bias), x, w, qt, pair[1], bias, FORMAT_FLOORS[pair])
 
 
+@pytest.fixture(params=["avx2", "aten"])
+def int4_kernel(request, monkeypatch):
+    """INT4 tests run on both INT4 kernels: quantpass's (where it builds) and aten's."""
+    if request.param == "aten":
+        monkeypatch.setattr(cpu_avx2, "available", lambda: (False, "turned off by the test"))
+    elif not cpu_avx2.available()[0]:
+        pytest.skip(f"quantpass's INT4 CPU kernel can't run here: {cpu_avx2.available()[1]}")
+    return request.param
+
+
 @pytest.mark.parametrize("pair", CPU_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", M_VALUES)
 @pytest.mark.parametrize(("n", "k"), NK)
-def test_cpu_matches_reference(pair, dtype, m, n, k):
+def test_cpu_matches_reference(pair, dtype, m, n, k, int4_kernel):
     x, w, bias = operands(m, n, k, dtype)
     (key, activation), floor = pair, FORMAT_FLOORS[pair]
     qt = quantize(w, key)
@@ -106,12 +117,13 @@ def test_cpu_matches_reference(pair, dtype, m, n, k):
 
 
 @pytest.mark.parametrize("key", CPU_KEYS, ids=str)
-def test_cpu_switches_on_m_at_run_time(key, monkeypatch):
-    """Both sides of the switch: the aten kernel up to the threshold, dequantize + matmul above."""
+def test_cpu_switches_on_m_at_run_time(key, monkeypatch, int4_kernel):
+    """Both sides of the switch: the kernel up to the threshold, dequantize + matmul above."""
     monkeypatch.setitem(cpu.KERNEL_MAX_M, key, 4)
+    monkeypatch.setattr(cpu, "AVX2_INT4_MAX_M", 4)
     calls = []
-    kernel = cpu._aten_kernel
-    monkeypatch.setattr(cpu, "_aten_kernel", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+    kernel = cpu._kernel
+    monkeypatch.setattr(cpu, "_kernel", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
     _, w, bias = operands(1, 96, 300, torch.bfloat16)
     qt = quantize(w, key)
     prepared = cpu.prepare_weight("linear", qt)
@@ -124,7 +136,7 @@ def test_cpu_switches_on_m_at_run_time(key, monkeypatch):
 
 
 @pytest.mark.parametrize("key", CPU_KEYS, ids=str)
-def test_cpu_through_the_graph_op(key):
+def test_cpu_through_the_graph_op(key, int4_kernel):
     """Prepared once (`ops.prepare_weight`), then `quantpass::linear` with backend "cpu" in a graph."""
     x, w, bias = operands(7, 96, 300, torch.bfloat16)
     qt = quantize(w, key)
@@ -135,7 +147,7 @@ def test_cpu_through_the_graph_op(key):
     check(out, x, w, qt, None, bias, FORMAT_FLOORS[(key, None)], CPU_REFERENCE_FLOORS)
 
 
-def test_cpu_prepared_layout_and_memory():
+def test_cpu_prepared_layout_and_memory(int4_kernel):
     w = torch.randn(96, 300, dtype=torch.bfloat16)
     int8 = cpu.prepare_weight("linear", quantize(w, kInt8StaticChannelSym))
     assert int8.data.shape == (96, 304) and int8.data.dtype == torch.int8  # K padded to 8
@@ -143,7 +155,13 @@ def test_cpu_prepared_layout_and_memory():
     int4_ours = quantize(w, kInt4StaticGroup128Sym)
     int4 = cpu.prepare_weight("linear", int4_ours)
     assert int4.data.shape == (96, 192) and int4.data.dtype == torch.uint8  # Kp = 384, two per byte
-    assert int4.scale.shape == (3, 96, 2) and torch.equal(int4.scale[..., 1], torch.zeros(3, 96, dtype=torch.bfloat16))
+    if int4_kernel == "avx2":  # scale [N, Kp/128, 1] fp32 marks quantpass's layout
+        assert int4.scale.shape == (96, 3, 1) and torch.equal(int4.scale[..., 0], int4_ours.scale.float())
+    else:
+        assert int4.scale.shape == (3, 96, 2) and not int4.scale[..., 1].any()
+    scale = int4_ours.scale.float() if int4_kernel == "avx2" else int4_ours.scale.to(torch.bfloat16).float()
+    expected = unpack_int4(int4_ours.data).float().unflatten(-1, (-1, 128)) * scale.unsqueeze(-1)
+    assert torch.equal(cpu.dequantize_int4(int4, torch.float32), expected.flatten(-2))
     assert int4.data.numel() == int4_ours.data.numel()  # no second copy of the codes
     assert cpu.prepare_weight("linear", int4) is int4  # idempotent
 
@@ -157,6 +175,7 @@ def test_unpack_int4_cpu_reads_the_packed_layout(rows):
 
 
 def test_int4_layout_unknown_keeps_the_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_avx2, "available", lambda: (False, "turned off by the test"))
     monkeypatch.setattr(cpu, "_int4_layout", lambda: None)
     monkeypatch.setitem(cpu.KERNEL_MAX_M, kInt4StaticGroup128Sym, 1)
     x, w, _ = operands(7, 48, 96, torch.float32)
@@ -215,8 +234,6 @@ SUPPORTS_CASES = [
     (native, Capability("mps"), kFp8StaticChannelSym, kFp8DynamicTokenSym, BIG,     False, "got device 'mps'"),
     (native, CPU,   kInt8StaticChannelSym, None,                 BIG,              True,  "dequantize + F.linear"),
     (cpu,    CPU,   kInt8StaticChannelSym, None,                 Problem(96, 300), True,  "torch._weight_int8pack_mm for M <= "),
-    (cpu,    CPU,   kInt4StaticGroup128Sym, None,                BIG,              True,  "torch._weight_int4pack_mm_for_cpu for M <= "),
-    (cpu,    CPU,   kInt4StaticGroup128Sym, None,                Problem(40, 256), False, "N % 16 == 0; got N=40"),
     (cpu,    SM90,  kInt8StaticChannelSym, None,                 BIG,              False, "run on cpu, not cuda"),
     (cpu,    CPU,   kInt8StaticChannelSym, kInt8DynamicTokenSym, BIG,              True,  "activations fake-quantized per token"),
     (cpu,    CPU,   kInt4StaticGroup128Sym, kInt8DynamicTokenSym, BIG,             False, "no CPU kernel for weight kInt4StaticGroup128Sym with activation kInt8DynamicTokenSym"),
@@ -231,7 +248,21 @@ def test_supports(module, capability, weight, activation, problem, ok, reason):
     assert (got_ok, reason in got_reason) == (ok, True), got_reason
 
 
+def test_cpu_int4_supports_per_kernel(int4_kernel):
+    """quantpass's kernel takes any N; aten's packing needs N % 16 == 0."""
+    ok, why = cpu.supports("linear", CPU, kInt4StaticGroup128Sym, None, Problem(40, 256))
+    if int4_kernel == "avx2":
+        assert ok and why.startswith("quantpass's AVX2 INT4 kernel") and "for M <= 384" in why
+    else:
+        assert not ok and "N % 16 == 0; got N=40" in why
+        assert (
+            "torch._weight_int4pack_mm_for_cpu for M <= "
+            in cpu.supports("linear", CPU, kInt4StaticGroup128Sym, None, BIG)[1]
+        )
+
+
 def test_supports_moe_and_missing_ops(monkeypatch):
+    monkeypatch.setattr(cpu_avx2, "available", lambda: (False, "turned off by the test"))
     pair = (kInt8StaticChannelSym, None)
     ok, why = native.supports("moe", CPU, *pair, BIG)  # native MoE (torch._grouped_mm) is CUDA-only
     assert not ok and "slower than the reference loop on CPU" in why

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from quantpass.kernels import oracle
+from quantpass.kernels import cpu_avx2, oracle
 from quantpass.kernels.oracle import Capability, NoKernelError, Problem, resolve_activation_key, select, variants
 from quantpass.quant_registry import QuantSpec, keys
 
@@ -44,7 +44,6 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("linear", "int8_per_channel", H200, BIG, "native"),  # torch._int_mm
         ("linear", "int8_weight_only", CPU, BIG, "cpu"),
         ("linear", "int4_weight_only", CPU, BIG, "cpu"),
-        ("linear", "int4_weight_only", CPU, Problem(n=40, k=4096), "native"),  # N % 16 != 0 for the aten pack
         ("linear", "int4_weight_only", H200, BIG, "triton"),
         ("linear", "mxfp8", B200, BIG, "flashinfer"),
         ("linear", "mxfp8", B200, Problem(n=4096, k=4096, m=1), "native"),  # decode: no 128-row tiles
@@ -68,6 +67,16 @@ def test_choices(kind, spec, capability, problem, expected):
     selection = choose(kind, spec, capability, problem)
     assert selection.backend == expected, selection
     assert all(isinstance(why, str) and why for why in selection.rejected.values())
+
+
+@pytest.mark.parametrize("ours", [True, False])
+def test_int4_on_cpu_with_either_kernel(ours, monkeypatch):
+    """quantpass's INT4 kernel takes any N; without it, aten's packing needs N % 16 == 0 and native runs."""
+    if ours and not cpu_avx2.available()[0]:
+        pytest.skip(f"quantpass's INT4 CPU kernel can't run here: {cpu_avx2.available()[1]}")
+    if not ours:
+        monkeypatch.setattr(cpu_avx2, "available", lambda: (False, "turned off by the test"))
+    assert choose("linear", "int4_weight_only", CPU, Problem(n=40, k=4096)).backend == ("cpu" if ours else "native")
 
 
 def test_rejections_are_recorded_in_priority_order():
