@@ -58,14 +58,14 @@ INT8_K_MULTIPLE = 8
 # No crossover for M <= 32 here (the kernels win 2-20x); it sits near 128 (INT8) and 192 (INT4).
 KERNEL_MAX_M = {kInt8StaticChannelSym: 128, kInt4StaticGroup128Sym: 192}
 # quantpass's INT4 kernel (cpu_avx2.py) against aten's and dequantize + fp32 matmul, 4096x4096, bf16 x,
-# median ms, 2026-11-29 (quiet machine). It beats aten's at every M and dequantize + matmul up to
-# ~400 (1 thread) / ~500 (2 threads) rows:
+# median ms, 2026-11-29 22:02 UTC (quiet machine), `python bench/cpu_m_sweep.py --threads 1 2`. It
+# beats aten's at every M and dequantize + matmul up to ~400 (1 thread) / ~500 (2 threads) rows:
 #   M                         1      8     32    128    256    384    512
-#   1 thread:  ours         1.42   5.07   19.8   78.0    157    238    335
-#              aten         2.28   7.40   29.5    118    235    353    470
-#              deq+fp32     70.5   81.2   93.5    139    191    256    315
-#   2 threads: ours         0.63   2.41   9.91   40.2   81.1    120    172
-#              deq+fp32     42.4   53.6   60.3   88.2    122    144    172
+#   1 thread:  ours         1.21   4.76   19.3   77.4    155    239    327
+#              aten         2.25   7.35   29.2    117    234    351    468
+#              deq+fp32     67.6   78.9   89.7    132    187    244    307
+#   2 threads: ours         0.62   2.38    9.5   38.5   79.9    121    174
+#              deq+fp32     41.9   51.9   57.8   81.7    111    142    170
 AVX2_INT4_MAX_M = 384
 
 # The matmul above the threshold runs in x.dtype only where the CPU multiplies bf16/fp16 natively

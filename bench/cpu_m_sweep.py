@@ -1,0 +1,81 @@
+"""The cpu backend's M switch, measured: its weight-only kernels against dequantize + matmul (and,
+for INT4, quantpass's kernel against aten's) over M, for one N x K. `cpu.KERNEL_MAX_M` and
+`cpu.AVX2_INT4_MAX_M` come from this table.
+
+    python bench/cpu_m_sweep.py --threads 1 2 --m 1 8 32 128 256 384 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from quantpass.kernels import cpu, cpu_avx2
+from quantpass.quant_registry import quantize
+from quantpass.quant_registry.keys import kInt4StaticGroup128Sym, kInt8StaticChannelSym
+
+KEYS = {"int8": kInt8StaticChannelSym, "int4": kInt4StaticGroup128Sym}
+
+
+def median_ms(rounds: int, fn, *args) -> float:
+    fn(*args)
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        fn(*args)
+        times.append(time.perf_counter() - start)
+    return sorted(times)[len(times) // 2] * 1e3
+
+
+def prepared_weights(w: torch.Tensor, name: str) -> dict[str, object]:
+    """{label: prepared weight}; INT4 gets quantpass's layout and aten's when both can run."""
+    qt = quantize(w, KEYS[name])
+    if name == "int8":
+        return {"aten INT8": cpu.prepare_weight("linear", qt)}
+    found = cpu_avx2.available
+    weights = {"quantpass INT4": cpu.prepare_weight("linear", qt)} if found()[0] else {}
+    cpu_avx2.available = lambda: (False, "measuring aten's kernel")
+    try:
+        weights["aten INT4"] = cpu.prepare_weight("linear", qt)
+    finally:
+        cpu_avx2.available = found
+    return weights
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--format", choices=sorted(KEYS), default="int4")
+    parser.add_argument("--n", type=int, default=4096)
+    parser.add_argument("--k", type=int, default=4096)
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 32, 128, 256, 384, 512])
+    parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
+    parser.add_argument("--bf16-max-m", type=int, default=8, help="bf16 F.linear only up to this M (slow on AVX2)")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    w = torch.randn(args.n, args.k, dtype=torch.bfloat16)
+    weights = prepared_weights(w, args.format)
+    first = next(iter(weights.values()))
+    print(f"{args.format} {args.n}x{args.k}, bf16 x, median ms; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    print("| threads | row | " + " | ".join(f"M={m}" for m in args.m) + " |")
+    print("| --- | --- | " + " | ".join("---" for _ in args.m) + " |")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        rows: dict[str, list[str]] = {label: [] for label in (*weights, "dequantize + matmul", "bf16 F.linear")}
+        for m in args.m:
+            x = torch.randn(m, args.k, dtype=torch.bfloat16)
+            rounds = 21 if m <= 32 else 5
+            for label, weight in weights.items():
+                rows[label].append(f"{median_ms(rounds, cpu._kernel, x, weight):.3g}")
+            rows["dequantize + matmul"].append(f"{median_ms(rounds, cpu._dequantized_matmul, x, first):.3g}")
+            slow = m > args.bf16_max_m
+            rows["bf16 F.linear"].append("" if slow else f"{median_ms(rounds, F.linear, x, w):.3g}")
+        for label, cells in rows.items():
+            print(f"| {threads} | {label} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
