@@ -165,7 +165,8 @@ def _gemm_kernel(
                     step = step * tl.load(b_scale_ptrs, mask=n_mask)[None, :]
                 acc += step
             else:
-                acc = tl.dot(a, b, acc)  # fp8: fp32 accumulator; int8: int32
+                # fp8: fp32 accumulator; int8: int32 (Triton 3.6 wants out_dtype to say so; found by triton_aot.py)
+                acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
         else:  # dequant: decode B's tile to fp32, apply its K-group scales, then an ordinary dot
             if B_FORMAT == "int4":
                 w = (unpack_nibbles(b).to(tl.int32) - 8).to(tl.float32)
@@ -173,10 +174,16 @@ def _gemm_kernel(
                 w = e2m1_to_float(unpack_nibbles(b))
             else:
                 w = b.to(tl.float32)
-            if B_SCALE == "group" or B_SCALE == "block":
-                group_ptrs = (offs_n[None, :] // B_GROUP_N) * stride_bsn + (offs_k[:, None] // B_GROUP_K) * stride_bsk
-                k_mask = (offs_k[:, None] < K) & n_mask[None, :]
-                w = w * tl.load(b_scale_base + group_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+            if B_SCALE == "group" or B_SCALE == "block":  # the step's [groups, BLOCK_N] scales, broadcast over K
+                # (one scale per element was a [BLOCK_K, BLOCK_N] fp32 load: 3x the shared memory of the
+                # INT4 tile itself, over 227 KiB in some configs; tests/triton_aot.py measures it)
+                STEP_GROUPS: tl.constexpr = BLOCK_K // B_GROUP_K if BLOCK_K > B_GROUP_K else 1
+                offs_g = k0 // B_GROUP_K + tl.arange(0, STEP_GROUPS)
+                group_ptrs = (offs_n[None, :] // B_GROUP_N) * stride_bsn + offs_g[:, None] * stride_bsk
+                g_mask = (offs_g[:, None] < tl.cdiv(K, B_GROUP_K)) & n_mask[None, :]
+                scales = tl.load(b_scale_base + group_ptrs, mask=g_mask, other=0.0).to(tl.float32)
+                w = tl.reshape(w, (STEP_GROUPS, BLOCK_K // STEP_GROUPS, BLOCK_N)) * scales[:, None, :]
+                w = tl.reshape(w, (BLOCK_K, BLOCK_N))
             if DOT_FORMAT == "fp32":  # fp32 activations, or the interpreter (its bf16 dot is broken)
                 acc = tl.dot(a.to(tl.float32), w, acc)
             else:

@@ -24,6 +24,10 @@ from ...quant_registry.qtensor import QTensor
 from .elements import to_e4m3, to_int8
 from .scheme import activation_scheme
 
+# A global a compiled kernel reads must be a constexpr (the interpreter doesn't check; found by
+# tests/triton_aot.py): the same epsilon as formats.py.
+AMAX_EPS_C = tl.constexpr(AMAX_EPS)
+
 FP8_MAX = ELEMENTS[FP8].max
 INT8_MAX = ELEMENTS[INT8].max
 
@@ -65,7 +69,7 @@ def _quantize_kernel(
                 mask = segment_mask[:, None] & (k0 + cols[None, :] < K)
                 x = tl.load(x_ptrs + k0 + cols[None, :], mask=mask, other=0.0).to(tl.float32)
                 amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-            scale = tl.math.div_rn(tl.maximum(amax, AMAX_EPS), element_max)
+            scale = tl.math.div_rn(tl.maximum(amax, AMAX_EPS_C), element_max)
             tl.store(scale_ptr + rows * stride_sm, scale, mask=segment_mask)
         for k0 in range(0, K, BLOCK_C):
             mask = segment_mask[:, None] & (k0 + cols[None, :] < K)
@@ -87,7 +91,7 @@ def _quantize_kernel(
             scale_bits = tl.where(exponent == -127, 0x400000, (exponent + 127) << 23)  # 2^exponent, exactly
             scale = scale_bits.to(tl.float32, bitcast=True)
         else:
-            scale = tl.math.div_rn(tl.maximum(group_amax, AMAX_EPS), element_max)
+            scale = tl.math.div_rn(tl.maximum(group_amax, AMAX_EPS_C), element_max)
             stored = scale
         q = _encode(tl.math.div_rn(x.to(tl.float32), scale[:, None]), ELEMENT, EXACT)
         tl.store(q_ptrs + cols[None, :], q, mask=segment_mask[:, None])  # also writes the zero padding
