@@ -25,3 +25,15 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(params=["avx2", "aten"])
+def int4_kernel(request, monkeypatch):
+    """Runs a cpu-backend test on both INT4 kernels: quantpass's (where it builds) and aten's."""
+    from quantpass.kernels import cpu_avx2
+
+    if request.param == "aten":
+        monkeypatch.setattr(cpu_avx2, "available", lambda: (False, "turned off by the test"))
+    elif not cpu_avx2.available()[0]:
+        pytest.skip(f"quantpass's INT4 CPU kernel can't run here: {cpu_avx2.available()[1]}")
+    return request.param

@@ -93,16 +93,6 @@ def test_native_matches_reference(pair, dtype, m, n, k):
     check(native.linear(x, qt, pair[1], bias), x, w, qt, pair[1], bias, FORMAT_FLOORS[pair])
 
 
-@pytest.fixture(params=["avx2", "aten"])
-def int4_kernel(request, monkeypatch):
-    """INT4 tests run on both INT4 kernels: quantpass's (where it builds) and aten's."""
-    if request.param == "aten":
-        monkeypatch.setattr(cpu_avx2, "available", lambda: (False, "turned off by the test"))
-    elif not cpu_avx2.available()[0]:
-        pytest.skip(f"quantpass's INT4 CPU kernel can't run here: {cpu_avx2.available()[1]}")
-    return request.param
-
-
 @pytest.mark.parametrize("pair", CPU_PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("m", M_VALUES)
@@ -266,7 +256,9 @@ def test_supports_moe_and_missing_ops(monkeypatch):
     pair = (kInt8StaticChannelSym, None)
     ok, why = native.supports("moe", CPU, *pair, BIG)  # native MoE (torch._grouped_mm) is CUDA-only
     assert not ok and "slower than the reference loop on CPU" in why
-    assert cpu.supports("moe", CPU, *pair, BIG)[0] is False
+    ok, why = cpu.supports("moe", CPU, *pair, BIG)  # the reference loop with the cpu kernels per expert
+    assert ok and why.startswith("per-expert loop: torch._weight_int8pack_mm")
+    assert cpu.supports("attention", CPU, *pair, BIG) == (False, "no cpu kernel for site kind 'attention'")
     monkeypatch.delattr(F, "scaled_mm")
     ok, why = native.supports("linear", SM100, kMxfp8Static, kMxfp8Dynamic, BIG)
     assert not ok and "needs torch.nn.functional.scaled_mm" in why

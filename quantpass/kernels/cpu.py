@@ -10,7 +10,8 @@ through the same kernels on fake-quantized activations).
 
 The kernels are fast at small M and scale badly with M, so `linear` switches on M at run time (this
 is an opaque custom op, the branch costs nothing in a graph): up to `kernel_max_m(weight)` rows the
-kernel, above that dequantize + one matmul.
+kernel, above that dequantize + one matmul. `fused_moe` is the reference's per-expert loop with
+these kernels per expert (at decode, an expert sees a few rows: the kernels' best case).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from ..quant_registry.formats import unpack_int4
 from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
 from ..quant_registry.qtensor import QTensor
-from . import cpu_avx2
+from . import cpu_avx2, reference
 from .reference import fake_quantize
 
 logger = logging.getLogger("quantpass")
@@ -77,24 +78,27 @@ NATIVE_LOW_PRECISION_MATMUL = bool(
 
 
 def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
-    if kind != "linear":
-        return False, f"the cpu backend has linear kernels only, not {kind}"
+    if kind not in ("linear", "moe"):
+        return False, f"no cpu kernel for site kind {kind!r}"
     if capability.device != "cpu":
         return False, f"aten's weight-only CPU kernels run on cpu, not {capability.device}"
     if activation not in ACTIVATIONS.get(weight, (None,)):
         return False, f"no CPU kernel for weight {weight} with activation {activation}"
+    loop = "per-expert loop: " if kind == "moe" else ""
     if weight == kInt4StaticGroup128Sym and cpu_avx2.available()[0]:
-        return True, f"{cpu_avx2.available()[1]} for M <= {AVX2_INT4_MAX_M}, dequantize + matmul above"
+        return True, f"{loop}{cpu_avx2.available()[1]} for M <= {AVX2_INT4_MAX_M}, dequantize + matmul above"
     ops = KERNELS.get(weight)
     if ops is None:
         return False, f"no CPU kernel for weight {weight}; valid: {', '.join(sorted(map(str, KERNELS)))}"
     missing = [op for op in ops if not hasattr(torch, op)]
     if missing:
         return False, f"torch {torch.__version__} has no torch.{missing[0]}"
-    if weight == kInt4StaticGroup128Sym and problem.n % 16:
-        return False, f"torch._convert_weight_to_int4pack_for_cpu needs N % 16 == 0; got N={problem.n}"
+    rows = (problem.n,) if kind == "linear" else (2 * problem.n, problem.k)  # MoE: w13 [2I, H], w2 [H, I]
+    odd = [n for n in rows if n % 16]
+    if weight == kInt4StaticGroup128Sym and odd:
+        return False, f"torch._convert_weight_to_int4pack_for_cpu needs N % 16 == 0; got N={odd[0]}"
     fake = "" if activation is None else ", activations fake-quantized per token"
-    return True, f"torch.{ops[0]} for M <= {KERNEL_MAX_M[weight]}, dequantize + matmul above{fake}"
+    return True, f"{loop}torch.{ops[0]} for M <= {KERNEL_MAX_M[weight]}, dequantize + matmul above{fake}"
 
 
 def kernel_max_m(weight: QTensor) -> int:
@@ -129,6 +133,29 @@ def prepare_weight(kind: str, weight: QTensor) -> QTensor:
     scale = weight.scale.t().to(dtype)  # [Kp/128, N]
     scale_and_zeros = torch.stack([scale, torch.zeros_like(scale)], dim=-1).contiguous()
     return QTensor(packed, scale_and_zeros, None, weight.key, weight.shape, dtype)
+
+
+def prepare_moe_weights(w13: QTensor, w2: QTensor, gate_up_layout: str) -> tuple[QTensor, QTensor]:
+    """Each expert in `prepare_weight`'s layout, stacked: [E, ...] data and scales."""
+    return _prepare_experts(w13), _prepare_experts(w2)
+
+
+def _prepare_experts(weight: QTensor) -> QTensor:
+    if _is_prepared(weight[0]):
+        return weight
+    experts = [prepare_weight("moe", weight[e]) for e in range(weight.data.shape[0])]
+    data, scale = torch.stack([p.data for p in experts]), torch.stack([p.scale for p in experts])
+    return QTensor(data, scale, None, weight.key, weight.shape, weight.dtype)
+
+
+def fused_moe(*args) -> torch.Tensor:
+    """hidden [T, H] -> [T, H], arguments as `reference.fused_moe`: its loop, with `linear`'s
+    kernels per expert (activation keys are fake-quantized by the loop, as the reference does)."""
+    return reference.fused_moe(*args, expert_matmul=_expert_matmul)
+
+
+def _expert_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    return linear(x, weight, None, None).float()
 
 
 def linear(x: torch.Tensor, weight: QTensor, activation, bias: torch.Tensor | None) -> torch.Tensor:

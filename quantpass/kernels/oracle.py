@@ -66,10 +66,10 @@ MOE_CANDIDATES: dict[Pair, list[str]] = {
     (kMxfp4Static,           None):                 ["triton", "reference"],
     (kMxfp4Static,           kMxfp8Dynamic):        ["triton", "reference"],
     (kNvfp4Static,           kNvfp4Dynamic):        ["reference"],
-    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["triton", "reference"],
+    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["triton", "cpu", "reference"],
     (kFp8StaticChannelSym,   None):                 ["triton", "reference"],
-    (kInt8StaticChannelSym,  None):                 ["triton", "native", "reference"],
-    (kInt4StaticGroup128Sym, None):                 ["triton", "reference"],
+    (kInt8StaticChannelSym,  None):                 ["triton", "native", "cpu", "reference"],
+    (kInt4StaticGroup128Sym, None):                 ["triton", "cpu", "reference"],
     (kNvfp4Static,           None):                 ["triton", "reference"],
 }
 # fmt: on

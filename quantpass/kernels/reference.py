@@ -71,13 +71,17 @@ def fused_moe(
     apply_router_weight_on_input: bool,
     alpha: float,
     limit: float,
+    *,
+    expert_matmul=None,
 ) -> torch.Tensor:
     """hidden [T, H], routing [T, k] -> [T, H]: a loop over local experts, dequantized weights.
 
     w13 [E, 2I, H], w2 [E, H, I] hold the local experts; `expert_map` [global E] maps a global expert
     id to its local index, -1 for experts that live elsewhere (they contribute nothing here).
     Each GEMM's input is quantized once over all routed rows (as fused kernels do), so a
-    per-tensor activation key gets one scale per GEMM, not one per expert.
+    per-tensor activation key gets one scale per GEMM, not one per expert. `expert_matmul(x fp32
+    [R, K], one expert's QTensor [N, K]) -> fp32 [R, N]` replaces dequantize + matmul (the cpu
+    backend runs its kernels in this loop).
     """
     local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
     tokens, slots = torch.nonzero(local_ids >= 0, as_tuple=True)  # routed (token, slot) pairs
@@ -87,21 +91,26 @@ def fused_moe(
     if apply_router_weight_on_input:
         x = x * router
     x = fake_quantize(x.to(hidden.dtype), activation_key)
-    h = _per_expert(x, experts, w13, b13)
+    matmul = expert_matmul or _dequantized_matmul
+    h = _per_expert(x, experts, w13, b13, matmul)
     a = fake_quantize(gated_activation(h, activation, gate_up_layout, alpha, limit).to(hidden.dtype), activation_key)
-    y = _per_expert(a, experts, w2, b2)
+    y = _per_expert(a, experts, w2, b2, matmul)
     if not apply_router_weight_on_input:
         y = y * router
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, y).to(hidden.dtype)
 
 
-def _per_expert(x: torch.Tensor, experts: torch.Tensor, weight: QTensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """Row r of x [R, K] times its expert's dequantized weight [E, N, K] (+ bias [E, N]) -> [R, N] fp32."""
+def _per_expert(x: torch.Tensor, experts: torch.Tensor, weight: QTensor, bias: torch.Tensor | None, matmul):
+    """Row r of x [R, K] times its expert's weight [E, N, K] (+ bias [E, N]) -> [R, N] fp32."""
     out = torch.empty(x.shape[0], weight.shape[-2], dtype=torch.float32, device=x.device)
     for expert in experts.unique().tolist():
         rows = experts == expert
-        out[rows] = x[rows] @ dequantize(weight[expert], torch.float32).t()
+        out[rows] = matmul(x[rows], weight[expert])
         if bias is not None:
             out[rows] += bias[expert].float()
     return out
+
+
+def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    return x @ dequantize(weight, torch.float32).t()

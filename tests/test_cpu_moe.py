@@ -1,0 +1,79 @@
+"""The cpu backend's fused MoE (the reference's per-expert loop with the cpu kernels per expert)
+against the reference: every MoE pair the oracle gives it, both INT4 kernels, T in {1, 5, 33} with
+H = 160 (INT4 pads K to 256), an expert map with non-local experts, biases, each activation and
+gate/up layout; its stacked weight layout; and the oracle choosing it on CPU only."""
+
+import pytest
+import torch
+
+from quantpass.kernels import cpu, oracle, reference
+from quantpass.kernels.oracle import Capability, Problem
+from quantpass.metrics import sqnr
+from quantpass.quant_registry import formats, keys
+
+PAIRS = [pair for pair, backends in oracle.MOE_CANDIDATES.items() if "cpu" in backends]
+# Same quantized weights on both sides; the cpu kernels read activations as bf16 (aten's) or fp32
+# (quantpass's INT4: bit-identical to the reference here), outputs are bf16. Measured 2026-11-29:
+# weight-only >= 45.6 dB; INT8 W8A8 36.4-42.1 dB, because GEMM1's rounding differences flip some
+# of the intermediate activation's int8 roundings by one step before GEMM2.
+FLOORS_DB = {(keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym): 32}
+FLOOR_DB = 40
+CASES = [  # tokens, local experts (None: all), bias, activation, layout, router weight on the input
+    (1, None, False, "silu", "concat", False),
+    (5, [0, 2], False, "gelu", "interleaved", False),
+    (33, None, True, "swigluoai", "interleaved", True),
+]
+
+
+def moe_args(pair, tokens, local, bias, activation, layout, on_input, experts=4, top_k=2, hidden=160, inter=48):
+    gen = torch.Generator().manual_seed(tokens)
+    routing = torch.randn(tokens, experts, generator=gen).softmax(-1)
+    topk_weights, topk_ids = routing.topk(top_k, dim=-1)
+    w13 = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    w2 = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    b13 = (torch.randn(experts, 2 * inter, generator=gen) / 4).bfloat16() if bias else None
+    b2 = (torch.randn(experts, hidden, generator=gen) / 4).bfloat16() if bias else None
+    expert_map = None
+    if local is not None:  # expert parallelism: keep these experts, map the others to -1
+        expert_map = torch.full((experts,), -1, dtype=torch.int32)
+        expert_map[local] = torch.arange(len(local), dtype=torch.int32)
+        w13, w2 = w13[local], w2[local]
+        b13, b2 = (None, None) if b13 is None else (b13[local], b2[local])
+    weight, activation_key = pair
+    hidden_states = torch.randn(tokens, hidden, generator=gen).bfloat16()
+    q13, q2 = formats.quantize(w13, weight), formats.quantize(w2, weight)
+    head = (hidden_states, topk_weights, topk_ids)
+    tail = (b13, b2, expert_map, activation_key, activation, layout, on_input, 1.702, 7.0)
+    return head, (q13, q2), tail
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}")
+def test_cpu_moe_matches_reference(pair, case, int4_kernel):
+    head, (q13, q2), tail = moe_args(pair, *case)
+    want = reference.fused_moe(*head, q13, q2, *tail).float()
+    prepared = cpu.prepare_moe_weights(q13, q2, case[4])
+    for w13, w2 in (prepared, (q13, q2)):  # prepared once (the graph path), and per call
+        got = cpu.fused_moe(*head, w13, w2, *tail)
+        assert got.shape == head[0].shape and got.dtype == head[0].dtype
+        assert sqnr(want, got.float()) >= FLOORS_DB.get(pair, FLOOR_DB)
+
+
+def test_prepared_moe_layout(int4_kernel):
+    pair = next(p for p in PAIRS if p[0] == keys.kInt4StaticGroup128Sym)
+    _, (q13, q2), _ = moe_args(pair, 1, None, False, "silu", "concat", False)
+    w13, w2 = cpu.prepare_moe_weights(q13, q2, "concat")
+    assert w13.data.shape[0] == 4 and w13.shape == q13.shape and w13.nbytes <= q13.nbytes + 4 * 96 * 2 * 8
+    assert cpu._is_prepared(w13[3]) and cpu._is_prepared(w2[0])
+    assert cpu.prepare_moe_weights(w13, w2, "concat") == (w13, w2)  # idempotent
+
+
+def test_oracle_picks_cpu_moe_on_cpu_only():
+    problem = Problem(n=48, k=160, experts=4, topk=2, activation="silu")
+    for weight, activation in PAIRS:
+        on_cpu = oracle.select("moe", weight, activation, Capability("cpu", None, frozenset({"triton"})), problem)
+        on_gpu = oracle.select("moe", weight, activation, Capability("cuda", 90, frozenset({"triton"})), problem)
+        assert (on_cpu.backend, on_gpu.backend) == ("cpu", "triton"), (weight, on_cpu, on_gpu)
+        assert on_gpu.rejected.get("cpu", "").startswith("aten's weight-only CPU kernels run on cpu") or (
+            "cpu" not in on_gpu.rejected
+        )
