@@ -5,8 +5,8 @@ stand-in driver that reports the target GPU; each launch becomes `warmup`: compi
 autotune config. That catches what only the compiled path sees, with the Triton installed here
 (the H200 image has 3.6): frontend type errors, ops the architecture lacks, launches whose every
 config needs more than the GPU's 227 KiB of shared memory per block (configs over it are listed:
-the autotuner skips them at run time). Numerics are the GPU tier's job. One line per kernel variant; exit
-status 1 if any failed.
+the autotuner skips them at run time). Numerics are the GPU tier's job. One line per kernel
+variant; exit status 1 if any failed.
 
     python tests/triton_aot.py --sm 90 100 [--quick]
 """
