@@ -2,8 +2,8 @@
 through the same kernels on fake-quantized activations).
 
 - INT8 per-channel: `torch._weight_int8pack_mm(x, int8 [N, K], scales [N])`.
-- INT4 group-128 on x86-64 with AVX2: quantpass's own kernel (cpu_avx2.py, csrc/int4_linear.c),
-  1.7-1.9x faster than aten's here; scale [N, K/128, 1] fp32 marks its layout.
+- INT4 group-128 on x86-64 AVX2 CPUs without AVX-512: quantpass's own kernel (cpu_avx2.py,
+  csrc/int4_linear.c), 1.35-1.9x faster than aten's here; scale [N, K/128, 1] fp32 marks its layout.
 - INT4 group-128 elsewhere (or `QUANTPASS_CPU_KERNEL=0`): `torch._weight_int4pack_mm_for_cpu(x,
   packed, 128, scale_and_zeros [K/128, N, 2])` on `torch._convert_weight_to_int4pack_for_cpu`'s
   layout; it computes (q - 8) * scale + zero, so our codes (value + 8) go in as they are, zero 0.
