@@ -1,6 +1,6 @@
 """The cpu backend's M switch, measured: its weight-only kernels against dequantize + matmul (and,
 for INT4, quantpass's kernel against aten's) over M, for one N x K. `cpu.KERNEL_MAX_M` and
-`cpu.AVX2_INT4_MAX_M` come from this table.
+`cpu.AVX2_MAX_M` come from this table.
 
     python bench/cpu_m_sweep.py --threads 1 2 --m 1 8 32 128 256 384 512
 """
@@ -8,6 +8,7 @@ for INT4, quantpass's kernel against aten's) over M, for one N x K. `cpu.KERNEL_
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
 
 import torch
@@ -30,19 +31,33 @@ def median_ms(rounds: int, fn, *args) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
-def prepared_weights(w: torch.Tensor, name: str) -> dict[str, object]:
-    """{label: prepared weight}; INT4 gets quantpass's layout and aten's when both can run."""
-    qt = quantize(w, KEYS[name])
-    if name == "int8":
-        return {"aten INT8": cpu.prepare_weight("linear", qt)}
+@contextlib.contextmanager
+def aten_kernels():
+    """The cpu backend as it is without quantpass's kernels (they are chosen at prepare and call time)."""
     found = cpu_avx2.available
-    weights = {"quantpass INT4": cpu.prepare_weight("linear", qt)} if found()[0] else {}
-    cpu_avx2.available = lambda: (False, "measuring aten's kernel")
+    cpu_avx2.available = lambda: (False, "measuring aten's kernels")
     try:
-        weights["aten INT4"] = cpu.prepare_weight("linear", qt)
+        yield
     finally:
         cpu_avx2.available = found
+
+
+def prepared_weights(w: torch.Tensor, name: str) -> dict[str, tuple]:
+    """{label: (prepared weight, on aten's kernel)}: quantpass's kernel (where it runs) and aten's."""
+    qt = quantize(w, KEYS[name])
+    weights = {}
+    if cpu_avx2.available()[0]:
+        weights[f"quantpass {name.upper()}"] = (cpu.prepare_weight("linear", qt), False)
+    with aten_kernels():
+        weights[f"aten {name.upper()}"] = (cpu.prepare_weight("linear", qt), True)
     return weights
+
+
+def kernel(x: torch.Tensor, weight, aten: bool) -> torch.Tensor:
+    if not aten:
+        return cpu._kernel(x, weight)
+    with aten_kernels():
+        return cpu._kernel(x, weight)
 
 
 def main() -> None:
@@ -58,7 +73,7 @@ def main() -> None:
     torch.manual_seed(0)
     w = torch.randn(args.n, args.k, dtype=torch.bfloat16)
     weights = prepared_weights(w, args.format)
-    first = next(iter(weights.values()))
+    first = next(iter(weights.values()))[0]
     print(f"{args.format} {args.n}x{args.k}, bf16 x, median ms; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print("| threads | row | " + " | ".join(f"M={m}" for m in args.m) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in args.m) + " |")
@@ -68,8 +83,8 @@ def main() -> None:
         for m in args.m:
             x = torch.randn(m, args.k, dtype=torch.bfloat16)
             rounds = 21 if m <= 32 else 5
-            for label, weight in weights.items():
-                rows[label].append(f"{median_ms(rounds, cpu._kernel, x, weight):.3g}")
+            for label, (weight, aten) in weights.items():
+                rows[label].append(f"{median_ms(rounds, kernel, x, weight, aten):.3g}")
             rows["dequantize + matmul"].append(f"{median_ms(rounds, cpu._dequantized_matmul, x, first):.3g}")
             slow = m > args.bf16_max_m
             rows["bf16 F.linear"].append("" if slow else f"{median_ms(rounds, F.linear, x, w):.3g}")

@@ -29,11 +29,11 @@ def _seed():
 
 @pytest.fixture(params=["avx2", "aten"])
 def int4_kernel(request, monkeypatch):
-    """Runs a cpu-backend test on both INT4 kernels: quantpass's (where it builds) and aten's."""
+    """Runs a cpu-backend test on quantpass's kernels (where they build) and on aten's."""
     from quantpass.kernels import cpu_avx2
 
     if request.param == "aten":
         monkeypatch.setattr(cpu_avx2, "available", lambda: (False, "turned off by the test"))
     elif not cpu_avx2.available()[0]:
-        pytest.skip(f"quantpass's INT4 CPU kernel can't run here: {cpu_avx2.available()[1]}")
+        pytest.skip(f"quantpass's CPU kernels can't run here: {cpu_avx2.available()[1]}")
     return request.param

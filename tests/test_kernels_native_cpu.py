@@ -110,7 +110,7 @@ def test_cpu_matches_reference(pair, dtype, m, n, k, int4_kernel):
 def test_cpu_switches_on_m_at_run_time(key, monkeypatch, int4_kernel):
     """Both sides of the switch: the kernel up to the threshold, dequantize + matmul above."""
     monkeypatch.setitem(cpu.KERNEL_MAX_M, key, 4)
-    monkeypatch.setattr(cpu, "AVX2_INT4_MAX_M", 4)
+    monkeypatch.setitem(cpu.AVX2_MAX_M, key, 4)
     calls = []
     kernel = cpu._kernel
     monkeypatch.setattr(cpu, "_kernel", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
@@ -223,7 +223,6 @@ SUPPORTS_CASES = [
     (native, SM100, kInt4StaticGroup128Sym, None,                Problem(48, 300), True,  "dequantize + F.linear"),
     (native, Capability("mps"), kFp8StaticChannelSym, kFp8DynamicTokenSym, BIG,     False, "got device 'mps'"),
     (native, CPU,   kInt8StaticChannelSym, None,                 BIG,              True,  "dequantize + F.linear"),
-    (cpu,    CPU,   kInt8StaticChannelSym, None,                 Problem(96, 300), True,  "torch._weight_int8pack_mm for M <= "),
     (cpu,    SM90,  kInt8StaticChannelSym, None,                 BIG,              False, "run on cpu, not cuda"),
     (cpu,    CPU,   kInt8StaticChannelSym, kInt8DynamicTokenSym, BIG,              True,  "activations fake-quantized per token"),
     (cpu,    CPU,   kInt4StaticGroup128Sym, kInt8DynamicTokenSym, BIG,             False, "no CPU kernel for weight kInt4StaticGroup128Sym with activation kInt8DynamicTokenSym"),
@@ -239,16 +238,20 @@ def test_supports(module, capability, weight, activation, problem, ok, reason):
 
 
 def test_cpu_int4_supports_per_kernel(int4_kernel):
-    """quantpass's kernel takes any N; aten's packing needs N % 16 == 0."""
+    """quantpass's kernels (INT4 takes any N) or aten's (its INT4 packing needs N % 16 == 0)."""
     ok, why = cpu.supports("linear", CPU, kInt4StaticGroup128Sym, None, Problem(40, 256))
     if int4_kernel == "avx2":
-        assert ok and why.startswith("quantpass's AVX2 INT4 kernel") and "for M <= 384" in why
+        assert ok and why.startswith("INT4 on quantpass's AVX2 kernels") and "for M <= 384" in why
+        why = cpu.supports("linear", CPU, kInt8StaticChannelSym, None, Problem(96, 300))[1]
+        assert why.startswith("INT8 on quantpass's AVX2 kernels") and "for M <= 384" in why
     else:
         assert not ok and "N % 16 == 0; got N=40" in why
         assert (
             "torch._weight_int4pack_mm_for_cpu for M <= "
             in cpu.supports("linear", CPU, kInt4StaticGroup128Sym, None, BIG)[1]
         )
+        why = cpu.supports("linear", CPU, kInt8StaticChannelSym, None, Problem(96, 300))[1]
+        assert why.startswith("torch._weight_int8pack_mm for M <= 128")
 
 
 def test_supports_moe_and_missing_ops(monkeypatch):

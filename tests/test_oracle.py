@@ -73,7 +73,7 @@ def test_choices(kind, spec, capability, problem, expected):
 def test_int4_on_cpu_with_either_kernel(ours, monkeypatch):
     """quantpass's INT4 kernel takes any N; without it, aten's packing needs N % 16 == 0 and native runs."""
     if ours and not cpu_avx2.available()[0]:
-        pytest.skip(f"quantpass's INT4 CPU kernel can't run here: {cpu_avx2.available()[1]}")
+        pytest.skip(f"quantpass's CPU kernels can't run here: {cpu_avx2.available()[1]}")
     if not ours:
         monkeypatch.setattr(cpu_avx2, "available", lambda: (False, "turned off by the test"))
     assert choose("linear", "int4_weight_only", CPU, Problem(n=40, k=4096)).backend == ("cpu" if ours else "native")

@@ -1,9 +1,10 @@
 """The `cpu` backend: weight-only CPU kernels for decode, dequantize + matmul above (and INT8 W8A8
 through the same kernels on fake-quantized activations).
 
-- INT8 per-channel: `torch._weight_int8pack_mm(x, int8 [N, K], scales [N])`.
-- INT4 group-128 on x86-64 AVX2 CPUs without AVX-512: quantpass's own kernel (cpu_avx2.py,
-  csrc/int4_linear.c), 1.35-1.9x faster than aten's here; scale [N, K/128, 1] fp32 marks its layout.
+- On x86-64 AVX2 CPUs without AVX-512: quantpass's own kernels (cpu_avx2.py, csrc/linear_avx2.c),
+  faster than aten's here (INT4 1.35-1.9x, INT8 1.1-1.7x). INT8 reads aten's layout below;
+  INT4 has its own, marked by a scale of [N, K/128, 1] fp32.
+- INT8 per-channel elsewhere: `torch._weight_int8pack_mm(x, int8 [N, K], scales [N])`.
 - INT4 group-128 elsewhere (or `QUANTPASS_CPU_KERNEL=0`): `torch._weight_int4pack_mm_for_cpu(x,
   packed, 128, scale_and_zeros [K/128, N, 2])` on `torch._convert_weight_to_int4pack_for_cpu`'s
   layout; it computes (q - 8) * scale + zero, so our codes (value + 8) go in as they are, zero 0.
@@ -67,7 +68,15 @@ KERNEL_MAX_M = {kInt8StaticChannelSym: 128, kInt4StaticGroup128Sym: 192}
 #              deq+fp32     67.6   78.9   89.7    132    187    244    307
 #   2 threads: ours         0.62   2.38    9.5   38.5   79.9    121    174
 #              deq+fp32     41.9   51.9   57.8   81.7    111    142    170
-AVX2_INT4_MAX_M = 384
+# quantpass's INT8 kernel, same measure (2026-11-29 23:20 UTC, `cpu_m_sweep.py --format int8`): 1.1-1.2x
+# aten's at M=1 (memory-bound: 16 MB), 1.5-1.7x from M=8; dequantize + matmul wins from ~512 rows:
+#   M                         1      8     32    128    256    384    512    768
+#   1 thread:  ours         1.49   4.31   16.7   64.5    131    204    284    593
+#              aten         1.82   6.75   28.4    108    219    320    434    662
+#              deq+fp32     30.0   44.2   57.6    105    160    231    300    436
+#   2 threads: ours         0.77   2.19   8.62   32.6   66.4    109    158    307
+#              deq+fp32     19.3   31.5   39.0   65.0   99.0    135    166    258
+AVX2_MAX_M = {kInt8StaticChannelSym: 384, kInt4StaticGroup128Sym: 384}
 
 # The matmul above the threshold runs in x.dtype only where the CPU multiplies bf16/fp16 natively
 # (AMX, AVX512-BF16); on AVX2 a bf16 GEMM is 5x slower than fp32 at M=32 (table above): upcast.
@@ -85,8 +94,11 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
     if activation not in ACTIVATIONS.get(weight, (None,)):
         return False, f"no CPU kernel for weight {weight} with activation {activation}"
     loop = "per-expert loop: " if kind == "moe" else ""
-    if weight == kInt4StaticGroup128Sym and cpu_avx2.available()[0]:
-        return True, f"{loop}{cpu_avx2.available()[1]} for M <= {AVX2_INT4_MAX_M}, dequantize + matmul above"
+    fake = "" if activation is None else ", activations fake-quantized per token"
+    ours, name = cpu_avx2.available()
+    if ours and weight in AVX2_MAX_M:
+        bits = "INT8" if weight == kInt8StaticChannelSym else "INT4"
+        return True, f"{loop}{bits} on {name} for M <= {AVX2_MAX_M[weight]}, dequantize + matmul above{fake}"
     ops = KERNELS.get(weight)
     if ops is None:
         return False, f"no CPU kernel for weight {weight}; valid: {', '.join(sorted(map(str, KERNELS)))}"
@@ -97,14 +109,13 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
     odd = [n for n in rows if n % 16]
     if weight == kInt4StaticGroup128Sym and odd:
         return False, f"torch._convert_weight_to_int4pack_for_cpu needs N % 16 == 0; got N={odd[0]}"
-    fake = "" if activation is None else ", activations fake-quantized per token"
     return True, f"{loop}torch.{ops[0]} for M <= {KERNEL_MAX_M[weight]}, dequantize + matmul above{fake}"
 
 
 def kernel_max_m(weight: QTensor) -> int:
     """Largest M that runs the kernel for this prepared weight (above: dequantize + matmul)."""
-    if _is_avx2_int4(weight):
-        return AVX2_INT4_MAX_M
+    if _is_avx2_int4(weight) or (weight.key == kInt8StaticChannelSym and cpu_avx2.available()[0]):
+        return AVX2_MAX_M[weight.key]
     if weight.key == kInt4StaticGroup128Sym and _int4_layout() is None:
         return 1 << 62  # aten's INT4 layout can't be read back here: the kernel at every M
     return KERNEL_MAX_M[weight.key]
@@ -197,6 +208,8 @@ def dequantize_int4(weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
 def _kernel(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     if _is_avx2_int4(weight):
         return cpu_avx2.linear(_padded(x, weight), weight.data, weight.scale[..., 0])
+    if weight.key == kInt8StaticChannelSym and cpu_avx2.available()[0]:
+        return cpu_avx2.linear(_padded(x, weight), weight.data, weight.scale.to(torch.float32))
     return _aten_kernel(x, weight)
 
 

@@ -1,8 +1,9 @@
-"""Our INT4 group-128 weight-only CPU kernel (csrc/int4_linear.c), built on first use.
+"""Our INT4 (group-128) and INT8 (per-channel) weight-only CPU kernels (csrc/linear_avx2.c), built on
+first use.
 
 aten's `_weight_int4pack_mm_for_cpu` is compute-bound on AVX2 machines: batch-1 decode of a
-4096x4096 linear measured 1.95-2.06x bf16 `F.linear` here, this kernel 2.87-3.27x (1 thread) and
-3.24x (2 threads) (AMD EPYC Zen 2, 2026-11-29; bench/README.md). The C source needs no Python or torch headers: the system C
+4096x4096 linear measured 1.95-2.06x bf16 `F.linear` here, our INT4 kernel 2.87-3.27x (1 thread)
+and 3.24x (2 threads) (AMD EPYC Zen 2, 2026-11-29; bench/README.md). The C source needs no Python or torch headers: the system C
 compiler builds it in under a second into a cache folder, ctypes loads it (and releases the GIL
 while it runs), and its OpenMP threads come from the libgomp torch already loaded.
 
@@ -31,7 +32,7 @@ from .. import envs
 
 logger = logging.getLogger("quantpass")
 
-SOURCE = Path(__file__).parent / "csrc" / "int4_linear.c"
+SOURCE = Path(__file__).parent / "csrc" / "linear_avx2.c"
 GROUP = 128
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 OPENMP = "-fopenmp"
@@ -57,22 +58,28 @@ def unpack(packed: torch.Tensor) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, Kp] @ dequantize(data, scale).T -> fp32 [M, N]; data from `pack`, scale fp32 [N, Kp/128].
-    `out`: a contiguous fp32 [M, N] to write into (tests pass one poisoned with NaN)."""
+    """x [M, Kp] @ dequantize(data, scale).T -> fp32 [M, N]. INT4: data uint8 [N, Kp/2] from `pack`,
+    scale fp32 [N, Kp/128]. INT8: data int8 [N, Kp] (Kp % 8 == 0), scale fp32 [N]. `out`: a contiguous
+    fp32 [M, N] to write into (tests pass one poisoned with NaN)."""
     lib, ok, reason = _library()
     if not ok:
-        raise RuntimeError(f"quantpass's INT4 CPU kernel can't run: {reason}")
+        raise RuntimeError(f"quantpass's CPU kernels can't run: {reason}")
     rows, cols = data.shape
-    if x.shape[-1] != cols * 2 or cols * 2 % GROUP or scale.shape != (rows, cols * 2 // GROUP):
+    int4 = data.dtype == torch.uint8
+    kp, scale_shape = (cols * 2, (rows, cols * 2 // GROUP)) if int4 else (cols, (rows,))
+    if x.shape[-1] != kp or kp % (GROUP if int4 else 8) or scale.shape != scale_shape:
         raise ValueError(
-            f"int4 kernel shapes: x {tuple(x.shape)}, data {tuple(data.shape)}, scale {tuple(scale.shape)}"
+            f"{'int4' if int4 else 'int8'} kernel shapes: x {tuple(x.shape)}, data {tuple(data.shape)}, "
+            f"scale {tuple(scale.shape)}"
         )
     if (
-        data.dtype != torch.uint8
+        data.dtype not in (torch.uint8, torch.int8)
         or scale.dtype != torch.float32
         or not (data.is_contiguous() and scale.is_contiguous())
     ):
-        raise ValueError(f"int4 kernel wants contiguous uint8 data and fp32 scales; got {data.dtype}, {scale.dtype}")
+        raise ValueError(
+            f"the kernels want contiguous uint8 (INT4) or int8 data and fp32 scales; got {data.dtype}, {scale.dtype}"
+        )
     x = x.to(torch.float32).contiguous()
     if out is None:
         out = torch.empty(x.shape[0], rows, dtype=torch.float32)
@@ -80,15 +87,9 @@ def linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: torch.
         raise ValueError(
             f"int4 kernel out must be contiguous fp32 {(x.shape[0], rows)}; got {out.dtype} {tuple(out.shape)}"
         )
-    lib.qp_int4_linear(
-        x.data_ptr(),
-        data.data_ptr(),
-        scale.data_ptr(),
-        out.data_ptr(),
-        x.shape[0],
-        rows,
-        cols * 2,
-        torch.get_num_threads(),
+    kernel = lib.qp_int4_linear if int4 else lib.qp_int8_linear
+    kernel(
+        x.data_ptr(), data.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], rows, kp, torch.get_num_threads()
     )
     return out
 
@@ -110,11 +111,12 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
-        logger.warning("building the INT4 CPU kernel failed, using aten's: %s", detail.strip()[-500:])
-        return None, False, f"building csrc/int4_linear.c with {compiler} failed"
-    lib.qp_int4_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.qp_int4_linear.restype = None
-    return lib, True, f"quantpass's AVX2 INT4 kernel ({path.name})"
+        logger.warning("building quantpass's CPU kernels failed, using aten's: %s", detail.strip()[-500:])
+        return None, False, f"building csrc/linear_avx2.c with {compiler} failed"
+    for kernel in (lib.qp_int4_linear, lib.qp_int8_linear):
+        kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+        kernel.restype = None
+    return lib, True, f"quantpass's AVX2 kernels ({path.name})"
 
 
 def _build(compiler: str) -> Path:
@@ -123,7 +125,7 @@ def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS, version)).encode()).hexdigest()[:16]
     folder = _cache_folder()
-    target = folder / f"int4_linear-{digest}.so"
+    target = folder / f"linear_avx2-{digest}.so"
     if target.exists():
         return target
     start = time.perf_counter()
@@ -140,7 +142,7 @@ def _build(compiler: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     threads = "OpenMP" if extra else "single-threaded: the compiler has no OpenMP"
-    logger.info("built the INT4 CPU kernel in %.1f s (%s): %s", time.perf_counter() - start, threads, target)
+    logger.info("built quantpass's CPU kernels in %.1f s (%s): %s", time.perf_counter() - start, threads, target)
     return target
 
 
