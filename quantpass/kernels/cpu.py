@@ -114,7 +114,7 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
 
 def kernel_max_m(weight: QTensor) -> int:
     """Largest M that runs the kernel for this prepared weight (above: dequantize + matmul)."""
-    if _is_avx2_int4(weight) or (weight.key == kInt8StaticChannelSym and cpu_avx2.available()[0]):
+    if _on_avx2_kernel(weight):
         return AVX2_MAX_M[weight.key]
     if weight.key == kInt4StaticGroup128Sym and _int4_layout() is None:
         return 1 << 62  # aten's INT4 layout can't be read back here: the kernel at every M
@@ -206,11 +206,10 @@ def dequantize_int4(weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _kernel(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
-    if _is_avx2_int4(weight):
-        return cpu_avx2.linear(_padded(x, weight), weight.data, weight.scale[..., 0])
-    if weight.key == kInt8StaticChannelSym and cpu_avx2.available()[0]:
-        return cpu_avx2.linear(_padded(x, weight), weight.data, weight.scale.to(torch.float32))
-    return _aten_kernel(x, weight)
+    if not _on_avx2_kernel(weight):
+        return _aten_kernel(x, weight)
+    scale = weight.scale[..., 0] if _is_avx2_int4(weight) else weight.scale.to(torch.float32)
+    return cpu_avx2.linear(_padded(x, weight), weight.data, scale)
 
 
 def _aten_kernel(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -237,6 +236,12 @@ def _is_prepared(weight: QTensor) -> bool:
 
 def _is_avx2_int4(weight: QTensor) -> bool:
     return weight.key == kInt4StaticGroup128Sym and weight.scale.dim() == 3 and weight.scale.shape[-1] == 1
+
+
+def _on_avx2_kernel(weight: QTensor) -> bool:
+    """Whether this prepared weight runs on quantpass's kernels: INT4 by its layout (fixed when
+    prepared), INT8 (aten's layout, read by both) whenever they are available."""
+    return _is_avx2_int4(weight) or (weight.key == kInt8StaticChannelSym and cpu_avx2.available()[0])
 
 
 # --- Reading `_convert_weight_to_int4pack_for_cpu`'s layout back (aten/src/ATen/native/cpu/

@@ -33,7 +33,8 @@ from .. import envs
 logger = logging.getLogger("quantpass")
 
 SOURCE = Path(__file__).parent / "csrc" / "linear_avx2.c"
-GROUP = 128
+GROUP = 128  # INT4 weights per scale
+INT8_STEP = 8  # the INT8 kernel reads 8 weights of a row at a time: K must be a multiple
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 OPENMP = "-fopenmp"
 
@@ -67,7 +68,7 @@ def linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: torch.
     rows, cols = data.shape
     int4 = data.dtype == torch.uint8
     kp, scale_shape = (cols * 2, (rows, cols * 2 // GROUP)) if int4 else (cols, (rows,))
-    if x.shape[-1] != kp or kp % (GROUP if int4 else 8) or scale.shape != scale_shape:
+    if x.shape[-1] != kp or kp % (GROUP if int4 else INT8_STEP) or scale.shape != scale_shape:
         raise ValueError(
             f"{'int4' if int4 else 'int8'} kernel shapes: x {tuple(x.shape)}, data {tuple(data.shape)}, "
             f"scale {tuple(scale.shape)}"

@@ -56,6 +56,10 @@ def gated_activation(h: torch.Tensor, activation: str, gate_up_layout: str, alph
     raise ValueError(f"invalid MoE activation {activation!r}; valid: {', '.join(ACTIVATIONS)}")
 
 
+def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    return x @ dequantize(weight, torch.float32).t()
+
+
 def fused_moe(
     hidden: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -72,7 +76,7 @@ def fused_moe(
     alpha: float,
     limit: float,
     *,
-    expert_matmul=None,
+    expert_matmul=_dequantized_matmul,
 ) -> torch.Tensor:
     """hidden [T, H], routing [T, k] -> [T, H]: a loop over local experts, dequantized weights.
 
@@ -91,10 +95,9 @@ def fused_moe(
     if apply_router_weight_on_input:
         x = x * router
     x = fake_quantize(x.to(hidden.dtype), activation_key)
-    matmul = expert_matmul or _dequantized_matmul
-    h = _per_expert(x, experts, w13, b13, matmul)
+    h = _per_expert(x, experts, w13, b13, expert_matmul)
     a = fake_quantize(gated_activation(h, activation, gate_up_layout, alpha, limit).to(hidden.dtype), activation_key)
-    y = _per_expert(a, experts, w2, b2, matmul)
+    y = _per_expert(a, experts, w2, b2, expert_matmul)
     if not apply_router_weight_on_input:
         y = y * router
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
@@ -110,7 +113,3 @@ def _per_expert(x: torch.Tensor, experts: torch.Tensor, weight: QTensor, bias: t
         if bias is not None:
             out[rows] += bias[expert].float()
     return out
-
-
-def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
-    return x @ dequantize(weight, torch.float32).t()
