@@ -56,6 +56,17 @@ class WeightCache:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def nbytes(self) -> int:
+        """Bytes of the distinct tensors the cache holds (what quantpass adds to a process)."""
+        seen, total = set(), 0
+        for _, value in self._entries.values():
+            for t in value[1] if isinstance(value, tuple) else ():
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in seen:
+                    seen.add(storage.data_ptr())
+                    total += storage.nbytes()
+        return total
+
     def clear(self) -> None:
         self._entries.clear()
 
