@@ -42,7 +42,6 @@ class QuantizedSite:
     device_type: str
     row: PlanRow
     binding: Binding | None = None
-    nodes: list[fx.Node] = field(default_factory=list)  # its weight placeholders
     probe: tuple[list[fx.Node], fx.Node] | None = None  # (input nodes, output node) in Dynamo's graph
 
 
@@ -56,7 +55,7 @@ class Binding:
     build: Callable[[list[torch.Tensor]], tuple[list[QTensor], list[torch.Tensor]]] | None = None
     nodes: list[fx.Node] = field(default_factory=list)  # its placeholders in the rewritten graph
     release: tuple[bool, ...] = ()  # per parameter: its storage may be freed once quantized
-    deferred: bool = True  # while the pass builds, build.py releases after the last site; at run time, build() does
+    deferred: bool = True  # during the pass build.py releases (after the last site); later, build() does
 
     def tensors(self, args) -> list[torch.Tensor]:
         return WEIGHTS.get([args[i] for i in self.param_indices], self.token, self.build)[1]
