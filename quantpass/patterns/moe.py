@@ -3,7 +3,7 @@
 `find_moe_sites` anchors on matmuls with a 3-D parameter operand (`_grouped_mm` /
 `transformers::grouped_mm_fallback`, `bmm` or `einsum` on `W[ids]`), groups them by the top-k
 expert ids they are routed by, and proves each group's region with the interpreter of
-`moe_forms` — everything is read from the graph (shapes, ops, constants), never from class
+`moe_interpreter` — everything is read from the graph (shapes, ops, constants), never from class
 names. Routing (softmax/sigmoid, top-k, renormalisation, group top-k, scaling) stays in the
 graph: a site starts where `hidden` [T, H], `topk_weights` and `topk_ids` [T, k] enter the experts.
 ModuleList experts (one `nn.Linear` per expert) can't be proven fused: their weights are listed in
@@ -21,9 +21,9 @@ import torch.fx as fx
 from ..kernels import ops
 from ..kernels.oracle import Problem
 from ..quant_registry.formats import quantize
-from .moe_forms import hidden_root, ids_root, prove
+from .moe_interpreter import hidden_root, ids_root, prove
 from .moe_modulelist import find_module_list_experts
-from .moe_region import collect_region, erase_dead, extract, op_name, shape, value
+from .moe_subgraph import collect_region, erase_dead, extract, op_name, shape, value
 from .moe_rules import DOWN, UP, NotProven, same, sym
 from .site import ParamRef, Site, param_refs
 

@@ -1,4 +1,4 @@
-"""The rules of the MoE interpreter (`moe_forms`): one per op, over `Tag`s of FX nodes.
+"""The rules of the MoE interpreter (`moe_interpreter`): one per op, over `Tag`s of FX nodes.
 
 Every value inside an experts region gets a `Tag`: what it holds (token data, expert ids, router
 weights, a sort permutation, an expert weight, ...) and the order of its rows: "t" one row per
@@ -21,10 +21,10 @@ import torch
 import torch.fx as fx
 
 from ..kernels.reference import ACTIVATIONS
-from .moe_region import identify_activation, is_cast, op_name, shape, value
+from .moe_subgraph import identify_activation, is_cast, op_name, shape, value
 
 if TYPE_CHECKING:
-    from .moe_forms import Interpreter
+    from .moe_interpreter import Interpreter
 
 ROW_DIMS = {"t": 1, "tk": 1, "sorted": 1, "t,k": 2}
 UP, ACTIVATED, DOWN = 1, 2, 3  # stages of token data: 0 = entering the experts

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .moe_region import GatedActivation, is_cast, op_name, shape, value
+from .moe_subgraph import GatedActivation, is_cast, op_name, shape, value
 from .moe_rules import DOWN, LAZY_RULES, RULES, UP, NotProven, Projection, Tag, same
 
 

@@ -1,4 +1,4 @@
-"""FX plumbing for MoE regions: op names, a region's node set, extracting it as a standalone
+"""The experts subgraph in FX: op names, a region's node set, extracting it as a standalone
 `GraphModule`, identifying its gated activation numerically, and erasing it after a rewrite.
 """
 
