@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..kernels.oracle import Capability, NoKernelError, select
+from ..kernels.oracle import Capability, NoKernelError
 from ..patterns.linear import find_linear_sites
 from ..patterns.site import Site
 from ..plan import Plan, PlanRow
@@ -70,6 +70,7 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
     else:
         matches = find_moe_sites(graph, example_inputs)
         moe_sites, claimed, expert_linears = matches.sites, matches.claimed, matches.expert_linears
+        moe_sites = [*moe_sites, *matches.expert_gemms]  # unproven experts: quantized GEMM by GEMM
         rows = [
             PlanRow(fqn, "moe", None, None, None, f"left to the linear pass: {why}") for fqn, why in matches.unproven
         ]
@@ -99,9 +100,7 @@ def plan_sites(sites, example_inputs, config: QuantizationConfig, grad_enabled: 
             continue
         capability = Capability.detect(values[0].device)
         try:
-            selection = select(
-                site.kind, spec.weight, spec.activation, capability, site.problem, config.backend_for(site.kind)
-            )
+            spec, selection = site.choose_backend(spec, capability, config.backend_for(site.kind))
         except NoKernelError as e:
             raise NoKernelError(f"layer {site.fqn!r}: {e}") from None
         notes = "".join(f"; {note}" for note in site.notes)

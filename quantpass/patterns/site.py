@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 
-from ..kernels.oracle import Problem
+from ..kernels.oracle import Capability, Problem, Selection, select
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantSpec
 
@@ -53,6 +53,11 @@ class Site:
     def signature(self) -> tuple:
         """Anything besides (spec, backend, transposes) that changes `quantize`'s result."""
         return ()
+
+    def choose_backend(self, spec: QuantSpec, capability: Capability, named: str) -> tuple[QuantSpec, Selection]:
+        """(the spec this site applies, the backend that runs it): the oracle's pick for `kind` unless a
+        site runs its math some other way (the graph's own GEMMs on dequantized weights: weight-only)."""
+        return spec, select(self.kind, spec.weight, spec.activation, capability, self.problem, named)
 
     def quantize(self, values: list[torch.Tensor], spec: QuantSpec, backend: str) -> list[QTensor]:
         """The parameters' values -> backend-prepared QTensors (cached by the caller)."""
