@@ -94,20 +94,25 @@ H, I, E, K = 64, 32, 4, 2  # hidden, intermediate, experts, top-k  # noqa: E741
 class GatherEinsumMoE(nn.Module):
     """gpt-fast style: separate w1 (gate) / w3 (up) / w2 [E, ...] gathered by `W[topk_ids]`, einsum.
 
-    `gate` names the parameter whose projection goes through the SiLU (w1 in gpt-fast).
+    `gate` names the parameter whose projection goes through the SiLU (w1 in gpt-fast);
+    `pre_activation`, if given, is applied to the gate projection before the SiLU (a model that
+    must defeat the activation matcher: `clamp(max=50)`, an op it does not know).
     """
 
-    def __init__(self, gate: str = "w1"):
+    def __init__(self, gate: str = "w1", pre_activation=None):
         super().__init__()
         self.gate = nn.Linear(H, E, bias=False)
         self.w1 = nn.Parameter(torch.randn(E, I, H) * 0.1)
         self.w3 = nn.Parameter(torch.randn(E, I, H) * 0.1)
         self.w2 = nn.Parameter(torch.randn(E, H, I) * 0.1)
         self.gate_param = gate
+        self.pre_activation = pre_activation
 
     def experts(self, x, expert_weights, expert_indices):  # [T, H], [T, K], [T, K] -> [T, H]
         x1 = torch.einsum("ti,taoi->tao", x, self.w1[expert_indices])
         x3 = torch.einsum("ti, taoi -> tao", x, self.w3[expert_indices])
+        if self.pre_activation is not None:
+            x1, x3 = (self.pre_activation(x1), x3) if self.gate_param == "w1" else (x1, self.pre_activation(x3))
         hidden = F.silu(x1) * x3 if self.gate_param == "w1" else x1 * F.silu(x3)
         y = torch.einsum("tao,taio->tai", hidden, self.w2[expert_indices])
         return torch.einsum("tai,ta->ti", y, expert_weights)
@@ -192,3 +197,23 @@ class SortedExperts(nn.Module):
             inverse[perm] = torch.arange(perm.size(0))
             out = out[inverse]
         return out.view(-1, K, H).sum(dim=1)
+
+
+class ClampedSiLU(nn.Module):
+    """silu(x.clamp(max=50)): silu on typical inputs, not on large ones; no fused MoE computes it."""
+
+    def forward(self, x):
+        return F.silu(x.clamp(max=50))
+
+
+def defeat_activation(model: nn.Module) -> nn.Module:
+    """Give every experts block of a tiny transformers MoE a gated activation the matcher must refuse:
+    silu -> `ClampedSiLU`; GPT-OSS's swigluoai (its own `_apply_gate`) -> swigluoai then `clamp(max=50)`."""
+    for module in model.modules():
+        if not isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
+            continue
+        if getattr(module, "limit", None) is not None:  # GPT-OSS
+            module._apply_gate = lambda gate_up, own=module._apply_gate: own(gate_up).clamp(max=50)
+        else:
+            module.act_fn = ClampedSiLU()
+    return model
