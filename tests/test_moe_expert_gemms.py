@@ -2,7 +2,7 @@
 
 Models built to defeat the matcher (an extra `clamp(max=50)` or `where` in the activation, an op it
 does not know) must not be taken for a fused silu MoE: those ops are inactive on typical inputs and
-decisive on large ones (main proved them silu: 40 dB at 1x, -16 dB at 300x). Their 3-D expert
+decisive on large ones (the probe-based matcher took them all for silu). Their 3-D expert
 weights are still quantized: held quantized, rebuilt by `quantpass::dequantize_weight` on each
 call, under the graph's own `einsum` / `bmm` / `_grouped_mm`, and the plan says so.
 """
@@ -80,27 +80,21 @@ def test_a_routing_the_matcher_cannot_prove():
     check_weight_only_rows([row], "kInt8StaticChannelSym", "grouped_mm", "no sum over the top-k experts")
 
 
-# (model, experts implementation, dtype, expert matmul, logits cosine floor): GPT-OSS stores its
-# weights [E, in, out] (dequantized back to that layout) and has expert biases (left in bf16/fp32).
-TRANSFORMERS = [
-    ("mixtral", "grouped_mm", torch.bfloat16, "grouped_mm", 0.99),  # bf16 logits alone: ~0.9995
-    ("gpt_oss", "batched_mm", torch.float32, "bmm", 0.999),
-]
-
-
-@pytest.mark.parametrize("case", TRANSFORMERS, ids=lambda c: f"{c[0]}-{c[1]}")
-def test_transformers_experts_with_an_unknown_activation(case):
-    name, implementation, dtype, form, floor = case
-    model = defeat_activation(tiny_moe(name, implementation, dtype))
+def test_transformers_experts_with_an_unknown_activation():
+    """GPT-OSS (batched_mm) whose swigluoai is followed by a clamp: weights stored [E, in, out] are
+    dequantized back to that layout; expert biases stay as they are (fp32 here)."""
+    model = defeat_activation(tiny_moe("gpt_oss", "batched_mm", torch.float32))
     compiled, backend = compile_with(model, lowering="eager")
     ids = token_ids(length=8)
     with torch.no_grad():
-        assert cosine(model(ids, use_cache=False).logits, compiled(ids, use_cache=False).logits) >= floor
+        logits = model(ids, use_cache=False).logits
+        assert cosine(logits, compiled(ids, use_cache=False).logits) >= 0.999  # measured 0.99998
     rows = expert_rows(backend)
     assert [row.fqn for row in rows] == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
-    check_weight_only_rows(rows, "kInt8StaticChannelSym", form, "the gated activation is not proven")
+    check_weight_only_rows(rows, "kInt8StaticChannelSym", "bmm", "the gated activation is not proven")
     ((_, after),) = backend.graphs
-    assert op_counts(after)["quantpass.dequantize_weight"] == 4
+    dequantized = [n for n in after.graph.nodes if "dequantize_weight" in str(n.target)]
+    assert len(dequantized) == 4 and all(n.args[-1] for n in dequantized)  # every weight transposed back
 
 
 @pytest.mark.parametrize("spec", ["int8_per_channel", "nvfp4", "mxfp4", "fp8_per_block"])
