@@ -13,7 +13,8 @@ from tiny_models import tiny_llama, token_ids
 from tiny_moe_models import GatherEinsumMoE, ModuleListMoE, OneLayer, SortedExperts, tiny_moe
 
 from quantpass.metrics import cosine, sqnr
-from quantpass.passes.fx_utils import add_placeholders, copy_graph_module, op_counts
+from quantpass.passes.fx_utils import add_placeholders, copy_graph_module, op_counts, set_placeholder_values
+from quantpass.passes.quantize import quantize_site
 from quantpass.patterns.moe import find_moe_sites
 from quantpass.patterns.moe_expert_gemms import ExpertMatmul, expert_gemm_site
 from quantpass.patterns.site import param_refs
@@ -68,9 +69,11 @@ def rewrite_all(gm, example_inputs, spec=SPEC, corrupt=None):
     for site in matches.sites:
         if corrupt is not None:
             corrupt(site)
-        qtensors = site.quantize([example_inputs[p.index] for p in site.params], spec, "reference")
+        qtensors = quantize_site(site, [example_inputs[p.index] for p in site.params], spec, "reference")
         tensors = [t for qt in qtensors for t in qt.tensors() if t is not None]
-        nodes = iter(add_placeholders(gm.graph, [f"quantized_{len(extra) + i}" for i in range(len(tensors))], tensors))
+        placeholders = add_placeholders(gm.graph, [f"quantized_{len(extra) + i}" for i in range(len(tensors))])
+        set_placeholder_values(gm.graph, placeholders, tensors)
+        nodes = iter(placeholders)
         weights = [[next(nodes), next(nodes), next(nodes) if qt.scale2 is not None else None] for qt in qtensors]
         site.rewrite(gm.graph, weights, spec, "reference", "cpu")
         extra += tensors
@@ -133,7 +136,7 @@ def check_region(model, site, values):
     torch.testing.assert_close(
         site.run_original([hidden, topk_weights, topk_ids], values), expected, rtol=1e-5, atol=1e-6
     )
-    quantized = site.quantize(values, SPEC, "reference")
+    quantized = quantize_site(site, values, SPEC, "reference")
     experts, intermediate, hidden_size = site.problem.experts, site.problem.n, site.problem.k
     shapes = [(experts, 2 * intermediate, hidden_size), (experts, hidden_size, intermediate)]
     assert [tuple(q.shape) for q in quantized] == shapes  # [E, 2I, H], [E, H, I] whatever the storage
@@ -214,7 +217,8 @@ def test_near_miss_is_not_proven():
     params = param_refs(gm.graph, example_inputs)  # were both weights quantized elsewhere: nothing left, said why
     matmuls = [n for n in gm.graph.nodes if "grouped_mm" in str(n.target)]
     anchors = [ExpertMatmul(n, p.node, n.args[0], False) for n, p in zip(matmuls, site.params)]
-    skipped = expert_gemm_site(site.fqn, anchors, params, site.why, taken={p.node for p in site.params})
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    skipped = expert_gemm_site(site.fqn, anchors, params, site.why, {p.node for p in site.params}, order)
     assert skipped.params == [] and "layers.0.mlp.down_proj: quantized by a proven" in skipped.skip_reason
 
 

@@ -18,7 +18,6 @@ import torch.fx as fx
 from ..kernels import ops
 from ..kernels.oracle import Problem, Selection
 from ..passes.fx_utils import mutated
-from ..quant_registry.formats import quantize
 from ..quant_registry.spec import QuantSpec
 from .moe_subgraph import op_name, value
 from .site import ParamRef, Site
@@ -44,6 +43,23 @@ class ExpertGemmSite(Site):
     kind = "moe"
     why: str = ""  # why the region is not a provable fused MoE
     forms: tuple[str, ...] = ()  # the graph's expert matmul ops (grouped_mm, bmm, einsum)
+    last: fx.Node | None = None  # the last node that reads these weights (an expert matmul)
+
+    @property
+    def weight_count(self) -> int:
+        return len(self.params)
+
+    @property
+    def output_node(self) -> fx.Node:
+        """The last reader of the weights: verify's graph run builds the site (and may release the
+        original weights) when it gets there. `rewrite` leaves it in place."""
+        return self.last
+
+    @property
+    def input_nodes(self) -> list[fx.Node]:
+        """None: an expert matmul's real rows can't be checked without their routing, so verify
+        runs every expert on sample rows (`sample_inputs`)."""
+        return []
 
     def choose_backend(self, spec, capability, named):
         applied = QuantSpec(spec.weight, activation=None)
@@ -54,8 +70,8 @@ class ExpertGemmSite(Site):
         )
         return applied, Selection(BACKEND, reason)
 
-    def quantize(self, values, spec, backend):
-        return [quantize(ref.matrix(v).contiguous(), spec.weight, name=ref.name) for ref, v in zip(self.params, values)]
+    def prepare(self, weights, spec, backend):
+        return weights  # formats.py's layout: what `dequantize_weight` reads
 
     def _dense(self, ref: ParamRef, tensors, spec) -> tuple:
         """`dequantize_weight`'s arguments for one weight: back to its stored layout and dtype."""
@@ -63,8 +79,9 @@ class ExpertGemmSite(Site):
         rows, cols = (int(d) for d in ref.matrix(stored).shape[-2:])
         return (*tensors, ops.key_arg(spec.weight), rows, cols, stored.dtype, ref.transposed)
 
-    def rewrite(self, graph, weights, spec, backend, device_type):
-        """Every read of each weight placeholder reads the dequantized weight instead."""
+    def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
+        """Every read of each weight placeholder reads the dequantized weight instead. No backward is
+        needed for `differentiable`: gradients reach the inputs through the graph's own matmuls."""
         order = {node: i for i, node in enumerate(graph.nodes)}
         for ref, tensors in zip(self.params, weights):
             users = list(ref.node.users)
@@ -76,16 +93,16 @@ class ExpertGemmSite(Site):
             dense.meta["val"] = dense.meta["example_value"] = torch.empty_like(stored, requires_grad=False)
             for user in users:
                 user.replace_input_with(ref.node, dense)
+        return self.last
 
     def sample_inputs(self, like, device, dtype):
+        """N(0, 1) rows for each weight. `like` is not used: the SQNR of a product linear in its
+        input does not depend on the input's scale, and a graph input is no activation statistic."""
         generator = torch.Generator().manual_seed(0)
-        inputs = []
-        for ref in self.params:
-            x = torch.randn(SAMPLE_TOKENS, ref.matrix(value(ref.node)).shape[-1], generator=generator)
-            if like is not None and like.is_floating_point() and like.numel() > 1:
-                x = x * like.float().std() + like.float().mean()
-            inputs.append(x.to(device, value(ref.node).dtype))
-        return inputs
+        shapes = [(SAMPLE_TOKENS, ref.matrix(value(ref.node)).shape[-1]) for ref in self.params]
+        return [
+            torch.randn(*s, generator=generator).to(device, value(r.node).dtype) for s, r in zip(shapes, self.params)
+        ]
 
     def run_original(self, inputs, values):
         """Each sample row through every expert of every weight: [sum of T * E * N] fp32."""
@@ -104,7 +121,9 @@ def _all_experts(inputs: list[torch.Tensor], matrices: list[torch.Tensor]) -> to
     return torch.cat(outs)
 
 
-def expert_gemm_site(fqn: str, matmuls: list[ExpertMatmul], params: dict, why: str, taken: set) -> ExpertGemmSite:
+def expert_gemm_site(
+    fqn: str, matmuls: list[ExpertMatmul], params: dict, why: str, taken: set, order: dict[fx.Node, int]
+) -> ExpertGemmSite:
     """The weights of an unproven experts region as one site. A weight `taken` by a proven region,
     written in place in the graph, or not floating point stays as it is; with none left the site
     is skipped, and its plan row says why."""
@@ -131,6 +150,10 @@ def expert_gemm_site(fqn: str, matmuls: list[ExpertMatmul], params: dict, why: s
         return ExpertGemmSite(fqn, [], Problem(0, 0), skip, why=why, forms=forms)
     first = next(iter(refs.values()))
     experts, rows, cols = (int(d) for d in first.matrix(value(first.node)).shape)
-    site = ExpertGemmSite(fqn, list(refs.values()), Problem(rows, cols, experts=experts), why=why, forms=forms)
+    readers = [m.node for m in matmuls] + [user for weight in refs for user in weight.users]
+    last = max(readers, key=order.get)
+    site = ExpertGemmSite(
+        fqn, list(refs.values()), Problem(rows, cols, experts=experts), why=why, forms=forms, last=last
+    )
     site.notes += [f"{name} left unquantized: {reason}" for name, reason in kept.items()]
     return site
