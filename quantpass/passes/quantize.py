@@ -126,7 +126,7 @@ def plan_sites(
         if spec is None:
             decided.append(left(why))
             continue
-        activation = _value(site.input_nodes[0])
+        activation = _value(site.input_nodes[0]) if site.input_nodes else None
         if activation is not None and not activation.is_floating_point():
             decided.append(left(f"its input is {activation.dtype}, not floating point (eager raises on it too)"))
             continue
