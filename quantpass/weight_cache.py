@@ -152,6 +152,10 @@ class WeightCache:
         if param.storage_offset() != 0 or storage.nbytes() != param.numel() * param.element_size():
             return False
         self.generation(param)  # fold any change made before now into the record
+        if not storage.resizable():  # e.g. torch.load's storages: move to one we may free
+            with torch.no_grad():
+                param.set_(storage.clone(), 0, param.shape, param.stride())
+            storage = param.untyped_storage()
         storage.resize_(0)
         record.state, record.storage, record.released = _state(param, record.inference), storage, True
         self.release_epoch += 1
