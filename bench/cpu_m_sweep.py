@@ -1,6 +1,6 @@
 """The cpu backend's M switch, measured: its weight-only kernels against dequantize + matmul (and,
-for INT4, quantpass's kernel against aten's) over M, for one N x K. `cpu.KERNEL_MAX_M` and
-`cpu.AVX2_MAX_M` come from this table.
+quantpass's kernels against aten's) over M, for one N x K. `cpu.KERNEL_MAX_M` and `cpu.OURS_MAX_M`
+come from this table.
 
     python bench/cpu_m_sweep.py --threads 1 2 --m 1 8 32 128 256 384 512
 """
@@ -55,9 +55,8 @@ def prepared_weights(w: torch.Tensor, name: str) -> dict[str, tuple]:
 
 def kernel(x: torch.Tensor, weight, aten: bool) -> torch.Tensor:
     if not aten:
-        return cpu._kernel(x, weight)
-    with aten_kernels():
-        return cpu._kernel(x, weight)
+        return cpu._our_kernel(x, weight, None)
+    return cpu._aten_kernel(x, weight)
 
 
 def main() -> None:
