@@ -22,7 +22,7 @@ QMAX = {"int8": 127.0, "int16": 32767.0}  # the integer modes' activation range,
 # fp32 sums of exact products (or of exact integer dot products) against float64: >= 106 dB measured
 # on these shapes (2026-12-01); one wrong block or row would be < 40 dB, bf16 rounding alone ~50 dB.
 FLOOR_DB = 95
-M_VALUES = (1, 2, 3, 4, 5, 8, 9, 33)  # decode tiles of 1-4 rows and their repeats; above 8: exact
+M_VALUES = (1, 2, 3, 4, 5, 8, 9, 33)  # tiles of 1-4 activation rows and their repeats
 N_VALUES = (1, 2, 3, 5, 9, 17, 67)  # every tile width (8, 4, 2 rows) with tails
 
 
@@ -43,7 +43,7 @@ def expected(x, qt, bits, mode):
     kernel does (scale max|x| / qmax, x * (qmax / max|x|) rounded to nearest even, in fp32)."""
     w = dequantized(qt, bits)
     x = F.pad(x.float(), (0, w.shape[1] - x.shape[1]))
-    if mode == "exact" or x.shape[0] > cpu_avx2.MAX_DECODE_M:
+    if mode == "exact":
         return x.double() @ w.T
     pad = -w.shape[1] % 128
     blocks = F.pad(x, (0, pad)).unflatten(-1, (-1, 128))

@@ -13,13 +13,12 @@ from quantpass.quant_registry import formats, keys
 
 PAIRS = [pair for pair, backends in oracle.MOE_CANDIDATES.items() if "cpu" in backends]
 # Same quantized weights on both sides; aten's kernels read activations as bf16, quantpass's as
-# fp32, or at decode (<= 8 rows per expert) as int16 (INT8) / int8 per 128 (INT4); outputs are bf16.
-# Measured 2026-11-29 (aten's) and 2026-12-01 (ours): weight-only >= 45.6 dB, ours at INT4 decode
-# >= 36.0 dB; INT8 W8A8 on aten's 36.4-42.1 dB, because GEMM1's rounding differences flip some of the
+# int16 (INT8) or int8 per 128 (INT4); outputs are bf16. Measured 2026-11-29 (aten's) and 2026-12-01
+# (ours): weight-only >= 45.6 dB, ours for INT4 >= 36.0 dB; INT8 W8A8 on aten's 36.4-42.1 dB, because GEMM1's rounding differences flip some of the
 # intermediate activation's int8 roundings by one step before GEMM2.
 FLOORS_DB = {(keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym): 32}
 FLOOR_DB = 40
-INT4_DECODE_FLOOR_DB = 32
+INT4_OURS_FLOOR_DB = 32
 CASES = [  # tokens, local experts (None: all), bias, activation, layout, router weight on the input
     (1, None, False, "silu", "concat", False),
     (5, [0, 2], False, "gelu", "interleaved", False),
@@ -55,8 +54,8 @@ def test_cpu_moe_matches_reference(pair, case, int4_kernel):
     head, (q13, q2), tail = moe_args(pair, *case)
     want = reference.fused_moe(*head, q13, q2, *tail).float()
     prepared = cpu.prepare_moe_weights(q13, q2, case[4])
-    decode = pair[0] == keys.kInt4StaticGroup128Sym and int4_kernel == "avx2" and case[0] <= 8
-    floor = INT4_DECODE_FLOOR_DB if decode else FLOORS_DB.get(pair, FLOOR_DB)
+    ours = pair[0] == keys.kInt4StaticGroup128Sym and int4_kernel == "avx2"
+    floor = INT4_OURS_FLOOR_DB if ours else FLOORS_DB.get(pair, FLOOR_DB)
     for w13, w2 in (prepared, (q13, q2)):  # prepared once (the graph path), and per call
         got = cpu.fused_moe(*head, w13, w2, *tail)
         assert got.shape == head[0].shape and got.dtype == head[0].dtype

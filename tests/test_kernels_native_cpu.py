@@ -54,9 +54,9 @@ FORMAT_FLOORS = {
 REFERENCE_FLOORS = {torch.float32: 100, torch.bfloat16: 40}
 # The cpu backend's aten kernels take fp32 activations as bf16 (10-80x faster): ~51 dB measured.
 CPU_REFERENCE_FLOORS = {torch.float32: 45, torch.bfloat16: 40}
-# quantpass's INT4 decode path (M <= 8) quantizes activations to int8 per 128: >= 42.4 dB measured on
-# these shapes (2026-12-01), under INT4's own ~19 dB against the unquantized product.
-INT4_DECODE_FLOORS = {torch.float32: 38, torch.bfloat16: 38}
+# quantpass's INT4 kernel quantizes activations to int8 per 128: >= 42.4 dB measured on these shapes
+# (2026-12-01), under INT4's own ~19 dB against the unquantized product.
+INT4_OURS_FLOORS = {torch.float32: 38, torch.bfloat16: 38}
 NATIVE_ON_CPU = list(FORMAT_FLOORS)
 CPU_KEYS = (kInt8StaticChannelSym, kInt4StaticGroup128Sym)
 CPU_PAIRS = [
@@ -103,8 +103,8 @@ def test_native_matches_reference(pair, dtype, m, n, k):
 def test_cpu_matches_reference(pair, dtype, m, n, k, int4_kernel):
     x, w, bias = operands(m, n, k, dtype)
     (key, activation), floor = pair, FORMAT_FLOORS[pair]
-    decode = key == kInt4StaticGroup128Sym and int4_kernel == "avx2" and m <= cpu_avx2.MAX_DECODE_M
-    floors = INT4_DECODE_FLOORS if decode else CPU_REFERENCE_FLOORS
+    int8_activations = key == kInt4StaticGroup128Sym and int4_kernel == "avx2"
+    floors = INT4_OURS_FLOORS if int8_activations else CPU_REFERENCE_FLOORS
     qt = quantize(w, key)
     prepared = cpu.prepare_weight("linear", qt)
     check(cpu.linear(x, prepared, activation, bias), x, w, qt, activation, bias, floor, floors)
@@ -125,7 +125,8 @@ def test_cpu_switches_on_m_at_run_time(key, monkeypatch, int4_kernel):
     prepared = cpu.prepare_weight("linear", qt)
     for m in (1, 4, 5, 33):
         x = torch.randn(m, 300, dtype=torch.bfloat16)
-        floors = INT4_DECODE_FLOORS if key == kInt4StaticGroup128Sym and m <= 4 else CPU_REFERENCE_FLOORS
+        ours = key == kInt4StaticGroup128Sym and int4_kernel == "avx2" and m <= 4
+        floors = INT4_OURS_FLOORS if ours else CPU_REFERENCE_FLOORS
         check(cpu.linear(x, prepared, None, bias), x, w, qt, None, bias, FORMAT_FLOORS[(key, None)], floors)
     name = "_our_kernel" if int4_kernel == "avx2" else "_aten_kernel"
     assert calls == [(name, 1), (name, 4)]
@@ -147,7 +148,7 @@ def test_cpu_through_the_graph_op(key, int4_kernel):
 def test_cpu_graph_op_routes_equal_the_backend(int4_kernel):
     """The op's routes (our kernel straight from the graph; an activation key, aten's layout or an
     unprepared weight through `cpu.linear`) give what `cpu.linear` gives, on either side of the
-    decode and large-M switches."""
+    large-M switch."""
     op = linear_call("cpu", "cpu")
     _, w, bias = operands(1, 96, 300, torch.bfloat16)
     for key, act in CPU_PAIRS:
@@ -162,8 +163,8 @@ def test_cpu_graph_op_routes_equal_the_backend(int4_kernel):
 
 @pytest.mark.skipif(not cpu_avx2.available()[0], reason=f"our kernels can't run: {cpu_avx2.available()[1]}")
 def test_cpu_graph_op_under_inductor_with_dynamic_m():
-    """One Inductor compile serves every M: decode, fp32 activations and dequantize + matmul (aten's
-    routes are the op's eager ones, above)."""
+    """One Inductor compile serves every M, on either side of the large-M switch (aten's routes are
+    the op's eager ones, above)."""
     op, counter = linear_call("cpu", "cpu"), CompileCounterWithBackend("inductor")
     _, w, bias = operands(1, 96, 300, torch.bfloat16)
     weight = cpu.prepare_weight("linear", quantize(w, kInt4StaticGroup128Sym))
@@ -288,14 +289,14 @@ def test_supports(module, capability, weight, activation, problem, ok, reason):
 
 
 def test_cpu_int4_supports_per_kernel(int4_kernel):
-    """quantpass's kernels (INT4 takes any N; the reason names the decode mode) or aten's (its INT4
-    packing needs N % 16 == 0)."""
+    """quantpass's kernels (INT4 takes any N; the reason names the activation mode) or aten's (its
+    INT4 packing needs N % 16 == 0)."""
     ok, why = cpu.supports("linear", CPU, kInt4StaticGroup128Sym, None, Problem(40, 256))
     if int4_kernel == "avx2":
-        assert ok and why.startswith("INT4 on quantpass's AVX2 kernels") and "M <= 8 with int8 activations" in why
-        assert "fp32 activations to M <= 384" in why
+        assert ok and why.startswith("INT4 on quantpass's AVX2 kernels") and "with int8 activations" in why
+        assert "for M <= 384, dequantize + matmul above" in why
         why = cpu.supports("linear", CPU, kInt8StaticChannelSym, None, Problem(96, 300))[1]
-        assert why.startswith("INT8 on quantpass's AVX2 kernels") and "M <= 8 with int16 activations" in why
+        assert why.startswith("INT8 on quantpass's AVX2 kernels") and "with int16 activations" in why
     else:
         assert not ok and "N % 16 == 0; got N=40" in why
         assert (

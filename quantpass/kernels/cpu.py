@@ -3,8 +3,8 @@ through the same kernels on fake-quantized activations).
 
 - On x86-64 CPUs with AVX2 (AVX-512 ones too: faster than aten's there as well, measured) and no
   AMX: quantpass's own kernels (cpu_avx2.py, csrc/linear_avx2.c). They read the quantized weight as
-  quantpass stores it: preparing copies nothing. Decode (M <= 8) runs on integer activations
-  (`DECODE_MODES`), larger M on fp32 activations, above `OURS_MAX_M` dequantize + one matmul.
+  quantpass stores it: preparing copies nothing. They multiply on integer activations
+  (`ACTIVATION_MODES`) up to `OURS_MAX_M` rows, above that dequantize + one matmul.
 - Elsewhere (or `QUANTPASS_CPU_KERNEL=0`, or no C compiler), aten's: INT8 per-channel
   `torch._weight_int8pack_mm(x, int8 [N, K], scales [N])`; INT4 group-128
   `torch._weight_int4pack_mm_for_cpu(x, packed, 128, scale_and_zeros [K/128, N, 2])` on
@@ -14,7 +14,7 @@ through the same kernels on fake-quantized activations).
 Every weight has one prepared copy: ours is the quantized weight itself; aten's replaces it, and the
 large-M path dequantizes per call. A compiled graph calls `quantpass::cpu_linear` (`graph_linear_op`),
 which goes straight to our kernel when it can. `fused_moe` is the reference's per-expert loop with
-these kernels per expert (at decode an expert sees a few rows: the decode path). Measurements:
+these kernels per expert (at decode an expert sees a few rows: the kernels' best case). Measurements:
 bench/README.md ("CPU decode at the bandwidth limit", "Results: CPU").
 """
 
@@ -50,14 +50,16 @@ GROUP = 128  # INT4 scale group along K
 # INT8 weights carry zero columns up to a multiple of 8; x gets matching zero columns per call.
 INT8_K_MULTIPLE = 8
 
-# How our kernels take activations at decode (M <= cpu_avx2.MAX_DECODE_M), and the measured
-# accuracy against fp32 activations behind the choice (bench/cpu_decode.py --accuracy, bench/README.md):
-DECODE_MODES = {
+# How our kernels take activations, and the measured accuracy against fp32 activations behind the
+# choice (bench/cpu_decode.py --accuracy; speed and accuracy tables in bench/README.md). "exact" (fp32
+# activations) is the other mode: 1.2-2.5x slower here at every M, and aten's AVX-512 kernels beat it
+# from M=16 (2026-12-01), while these lose nothing measurable.
+ACTIVATION_MODES = {
     kInt8StaticChannelSym: ("int16", "exact integer products, >= 90 dB against fp32 activations"),
     kInt4StaticGroup128Sym: ("int8", "~44 dB against fp32 activations, under INT4's own ~19 dB"),
 }
-# Largest M for our kernels (fp32 activations above decode), then dequantize + one matmul; and the
-# same for aten's kernels. From bench/cpu_m_sweep.py, tables in bench/README.md.
+# Largest M for our kernels, then dequantize + one matmul; and the same for aten's kernels. From
+# bench/cpu_m_sweep.py, tables in bench/README.md.
 OURS_MAX_M = {kInt8StaticChannelSym: 384, kInt4StaticGroup128Sym: 384}
 KERNEL_MAX_M = {kInt8StaticChannelSym: 128, kInt4StaticGroup128Sym: 192}
 
@@ -79,11 +81,11 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
     loop = "per-expert loop: " if kind == "moe" else ""
     fake = "" if activation is None else ", activations fake-quantized per token"
     ours, name = cpu_avx2.available()
-    if ours and weight in DECODE_MODES:
-        bits, (mode, accuracy) = BITS[weight], DECODE_MODES[weight]
+    if ours and weight in ACTIVATION_MODES:
+        bits, (mode, accuracy) = BITS[weight], ACTIVATION_MODES[weight]
         return True, (
-            f"{loop}INT{bits} on {name}: M <= {cpu_avx2.MAX_DECODE_M} with {mode} activations ({accuracy}), "
-            f"fp32 activations to M <= {OURS_MAX_M[weight]}, dequantize + matmul above{fake}"
+            f"{loop}INT{bits} on {name} with {mode} activations ({accuracy}) for M <= {OURS_MAX_M[weight]}, "
+            f"dequantize + matmul above{fake}"
         )
     ops_ = KERNELS.get(weight)
     if ops_ is None:
@@ -181,7 +183,7 @@ def _our_kernel(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None) -> 
         return _our_kernel(x.float(), weight, None if bias is None else bias.float()).to(x.dtype)
     if bias is not None and bias.dtype not in cpu_avx2.DTYPES:
         bias = bias.float()
-    mode = DECODE_MODES[weight.key][0]
+    mode = ACTIVATION_MODES[weight.key][0]
     return cpu_avx2.linear(x, weight.data, weight.scale, bias, mode=mode)
 
 
@@ -246,7 +248,7 @@ _LIBRARY.define(
     "cpu_linear(Tensor x, Tensor w_data, Tensor w_scale, Tensor? w_scale2, Tensor? bias, str weight_key, "
     "str activation_key, str backend, SymInt out_features) -> Tensor"
 )
-_FAST = {str(key): (BITS[key], cpu_avx2.MODES[DECODE_MODES[key][0]], OURS_MAX_M[key]) for key in DECODE_MODES}
+_FAST = {str(key): (BITS[key], cpu_avx2.MODES[ACTIVATION_MODES[key][0]], OURS_MAX_M[key]) for key in ACTIVATION_MODES}
 
 
 def graph_linear_op(device_type: str):

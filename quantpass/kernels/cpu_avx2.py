@@ -2,11 +2,11 @@
 built on first use.
 
 They read quantpass's own quantized layout (no prepared copy), take x, bias and out in fp32, bf16 or
-fp16, and multiply in one of three ways: "exact" (fp32 activations, any M), and for decode (M <= 8)
-"int8" for INT4 weights (llama.cpp-style: each 128 activations quantized once per call to int8,
-integer multiply-adds) and "int16" for INT8 weights (activations to int16: exact integer products).
-The cpu backend chooses per format (`cpu.DECODE_MODES`, measured). Speed and accuracy: bench/README.md,
-"CPU decode at the bandwidth limit".
+fp16, and multiply in one of three ways (`mode`): "exact" (fp32 activations), "int8" for INT4 weights
+(llama.cpp-style: each 128 activations quantized once per call to int8, integer multiply-adds) and
+"int16" for INT8 weights (activations to int16: exact integer products). The cpu backend chooses per
+format (`cpu.ACTIVATION_MODES`, measured). Speed and accuracy: bench/README.md, "CPU decode at the
+bandwidth limit".
 
 The C source needs no Python or torch headers: the system C compiler builds it in about a second
 into a cache folder, ctypes loads it (and releases the GIL while it runs), and its OpenMP threads
@@ -39,7 +39,6 @@ logger = logging.getLogger("quantpass")
 CSRC = Path(__file__).parent / "csrc"
 SOURCE = CSRC / "linear_avx2.c"
 GROUP = 128  # INT4 weights per scale
-MAX_DECODE_M = 8  # the integer modes serve M <= 8; above, the kernel computes "exact"
 MODES = {"exact": 0, "int8": 1, "int16": 2}  # csrc's EXACT, INT8, INT16
 FORMAT_MODES = {4: ("exact", "int8"), 8: ("exact", "int16")}  # by weight bits
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's F32, BF16, F16
@@ -65,9 +64,9 @@ def linear(
 ) -> torch.Tensor:
     """x [M, K] @ dequantize(data, scale).T (+ bias) -> [M, N] in x.dtype (or `out`'s). INT4: data
     uint8 [N, Kp/2] as `formats.quantize` packs it (Kp % 128 == 0, K <= Kp), scale fp32 [N, Kp/128].
-    INT8: data int8 [N, K], scale fp32 [N] or [N, 1]. `mode`: one of FORMAT_MODES[bits], used
-    for M <= MAX_DECODE_M. `out`: a contiguous [M, N] fp32/bf16/fp16 tensor to write into (tests
-    pass one poisoned with NaN). Checks everything; the cpu backend's graph op calls `run`."""
+    INT8: data int8 [N, K], scale fp32 [N] or [N, 1]. `mode`: one of FORMAT_MODES[bits]. `out`: a
+    contiguous [M, N] fp32/bf16/fp16 tensor to write into (tests pass one poisoned with NaN). Checks
+    everything; the cpu backend's graph op calls `run`."""
     lib, ok, reason = _library()
     if not ok:
         raise RuntimeError(f"quantpass's CPU kernels can't run: {reason}")

@@ -12,17 +12,17 @@
  * of the weights: for INT4 each run of 64 columns becomes its 32 even columns, then its 32 odd ones, so
  * the low nibbles of 32 weight bytes meet 32 consecutive activations and the high nibbles the next 32.
  *
- * How the products are formed (`mode`; M > 8 always takes EXACT):
+ * How the products are formed (`mode`, at any M):
  *   EXACT  fp32 activations. Each weight becomes a float (INT4 without a conversion instruction: OR-ing a
  *          code c < 2^23 into the mantissa of 2^23 gives the float 2^23 + c exactly), one FMA per weight
  *          and activation row: the reference's products, summed in another order.
- *   INT8   INT4 decode, as llama.cpp's Q8 activations: each block of 128 activations (= one weight group)
+ *   INT8   INT4 x int8 activations, as llama.cpp's Q8 ones: each block of 128 activations (= one weight group)
  *          becomes int8 q with one fp32 scale d = max|x| / 127, once per call. Per 32 weight bytes: an
  *          AND and a shift unpack 64 codes, two _mm256_maddubs_epi16 (unsigned codes x signed q) give
  *          int16 pair sums, added in int16 over the group (4 * 2 * 15 * 127 < 2^15); per group one
  *          _mm256_madd_epi16 to int32, one subtraction of 8 * sum(q) (precomputed), one conversion and one
  *          FMA by the weight's scale times d.
- *   INT16  INT8 decode: each block of 128 activations becomes int16 (d = max|x| / 32767: 15 bits, more
+ *   INT16  INT8 x int16 activations: each block of 128 activations becomes int16 (d = max|x| / 32767: 15 bits, more
  *          than bf16's 8), so the products are exact integer ones: 16 weights sign-extend to int16 in one
  *          instruction and meet 16 activations in one _mm256_madd_epi16 (an int32 lane gathers at most
  *          16 * 127 * 32767 < 2^31 per block); one conversion and one FMA by d per block, the row's
@@ -46,7 +46,6 @@
 enum { F32 = 0, BF16 = 1, F16 = 2 };      /* element types of x, bias and out */
 enum { EXACT = 0, INT8 = 1, INT16 = 2 };  /* `mode` (INT8 for INT4 weights, INT16 for INT8 weights) */
 #define GROUP 128                         /* INT4 weights per scale, and activations per block */
-#define MAX_DECODE_M 8                    /* the integer modes serve M <= 8 */
 #define ROW_ALIGN 16                      /* thread ranges start on multiples of 16 rows */
 #define MIN_WEIGHTS_PER_THREAD (1 << 18)  /* below this, one thread (waking another costs more) */
 #define INLINE static inline __attribute__((always_inline))
@@ -407,12 +406,9 @@ static uint8_t *scratch(size_t bytes, int *fresh) {
   return kept;
 }
 
-INLINE int effective_mode(int64_t M, int mode) { return M > MAX_DECODE_M ? EXACT : mode; }
-
 /* Bytes of scratch a call needs: fp32 rows [M][kpad] (EXACT), or integer rows [M][l.stride] then the one
  * fp32 row they are made from. */
 int64_t qp_scratch_bytes(int64_t M, int64_t kp, int bits, int mode) {
-  mode = effective_mode(M, mode);
   const int64_t kpad = padded_k(kp, bits, mode);
   return mode == EXACT ? M * kpad * 4 : M * layout(kpad, mode).stride + kpad * 4;
 }
@@ -425,7 +421,7 @@ int qp_linear(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const
               int mode, int threads) {
   if (mode != EXACT && mode != (bits == 4 ? INT8 : INT16)) return -2;
   problem p = {.M = M, .N = N, .K = K, .row_bytes = bits == 4 ? kp / 2 : kp, .ldo = ldo, .bits = bits,
-               .mode = effective_mode(M, mode), .otype = otype, .btype = btype, .w = w, .s = s, .bias = bias,
+               .mode = mode, .otype = otype, .btype = btype, .w = w, .s = s, .bias = bias,
                .out = out};
   p.kpad = padded_k(kp, bits, p.mode);
   p.l = layout(p.kpad, p.mode);
