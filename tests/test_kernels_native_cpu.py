@@ -139,7 +139,7 @@ def test_cpu_through_the_graph_op(key, int4_kernel):
     qt = quantize(w, key)
     prepared = prepare_weight("cpu", "linear", qt)
     op = linear_call("cpu", "cpu")
-    assert op is torch.ops.quantpass.cpu_linear.default
+    assert op is torch.ops.quantpass.linear_cpu.default
     args = (prepared.data, prepared.scale, prepared.scale2, bias, key_arg(key), "", "cpu", 96)
     out = torch.compile(op, backend="aot_eager", fullgraph=True)(x.unsqueeze(0), *args)[0]
     assert torch.equal(out, cpu.linear(x, prepared, None, bias))

@@ -12,7 +12,7 @@ through the same kernels on fake-quantized activations).
   codes, value + 8, go in as they are, zero 0); up to `KERNEL_MAX_M` rows, dequantize + matmul above.
 
 Every weight has one prepared copy: ours is the quantized weight itself; aten's replaces it, and the
-large-M path dequantizes per call. A compiled graph calls `quantpass::cpu_linear` (`graph_linear_op`),
+large-M path dequantizes per call. A compiled graph calls `quantpass::linear_cpu` (`graph_linear_op`),
 which goes straight to our kernel when it can. `fused_moe` is the reference's per-expert loop with
 these kernels per expert (at decode an expert sees a few rows: the kernels' best case). Measurements:
 bench/README.md ("CPU decode at the bandwidth limit", "Results: CPU").
@@ -207,7 +207,7 @@ def dequantize_prepared(weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
     """A weight in `prepare_weight`'s layout (MoE: stacked per expert) as dense [..., N, K]."""
     if weight.data.dim() == 3:
         return torch.stack([dequantize_prepared(weight[e], dtype) for e in range(weight.data.shape[0])])
-    if not _is_prepared(weight):
+    if not _is_aten_layout(weight):  # ours is the quantized weight itself
         return dequantize(weight, dtype)
     if weight.key == kInt8StaticChannelSym:
         dense = weight.data.to(dtype) * weight.scale.to(dtype).unsqueeze(-1)
@@ -258,16 +258,16 @@ def _on_our_kernel(weight: QTensor) -> bool:
 
 _LIBRARY = torch.library.Library("quantpass", "FRAGMENT")
 _LIBRARY.define(
-    "cpu_linear(Tensor x, Tensor w_data, Tensor w_scale, Tensor? w_scale2, Tensor? bias, str weight_key, "
+    "linear_cpu(Tensor x, Tensor w_data, Tensor w_scale, Tensor? w_scale2, Tensor? bias, str weight_key, "
     "str activation_key, str backend, SymInt out_features) -> Tensor"
 )
 _FAST = {str(key): (BITS[key], cpu_avx2.MODES[ACTIVATION_MODES[key][0]], OURS_MAX_M[key]) for key in ACTIVATION_MODES}
 
 
 def graph_linear_op(device_type: str):
-    """On CPU, `quantpass::cpu_linear` (a plain torch.library op: the generic `quantpass::linear` is a
+    """On CPU, `quantpass::linear_cpu` (a plain torch.library op: the generic `quantpass::linear` is a
     `custom_op`, ~20 us more per call, measured in bench/cpu_decode.py)."""
-    return torch.ops.quantpass.cpu_linear.default if device_type == "cpu" else None
+    return torch.ops.quantpass.linear_cpu.default if device_type == "cpu" else None
 
 
 def _graph_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):
@@ -293,10 +293,10 @@ def _graph_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key
     return ops.run_linear(linear, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features)
 
 
-_LIBRARY.impl("cpu_linear", _graph_linear, "CPU")
+_LIBRARY.impl("linear_cpu", _graph_linear, "CPU")
 
 
-@torch.library.register_fake("quantpass::cpu_linear")
+@torch.library.register_fake("quantpass::linear_cpu")
 def _(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
