@@ -55,8 +55,8 @@ INT8_K_MULTIPLE = 8
 # activations) is the other mode: 1.2-2.5x slower here at every M, and aten's AVX-512 kernels beat it
 # from M=16 (2026-12-01), while these lose nothing measurable.
 ACTIVATION_MODES = {
-    kInt8StaticChannelSym: ("int16", "exact integer products, >= 90 dB against fp32 activations"),
-    kInt4StaticGroup128Sym: ("int8", "~44 dB against fp32 activations, under INT4's own ~19 dB"),
+    kInt8StaticChannelSym: ("int16", "exact integer products, 81-92 dB against fp32 activations"),
+    kInt4StaticGroup128Sym: ("int8", "33-44 dB against fp32 activations, under INT4's own ~19 dB"),
 }
 # Largest M for our kernels, then dequantize + one matmul; and the same for aten's kernels. From
 # bench/cpu_m_sweep.py, tables in bench/README.md.
