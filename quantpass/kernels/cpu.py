@@ -51,7 +51,7 @@ GROUP = 128  # INT4 scale group along K
 INT8_K_MULTIPLE = 8
 
 # How our kernels take activations, and the measured accuracy against fp32 activations behind the
-# choice (bench/cpu_decode.py --accuracy; speed and accuracy tables in bench/README.md). "exact" (fp32
+# choice (bench/cpu_decode.py --parts accuracy; speed and accuracy tables in bench/README.md). "exact" (fp32
 # activations) is the other mode: 1.2-2.5x slower here at every M, and aten's AVX-512 kernels beat it
 # from M=16 (2026-12-01), while these lose nothing measurable.
 ACTIVATION_MODES = {
