@@ -3,12 +3,15 @@
 `import quantpass` needs no GPU, no FlashInfer and does not import Triton.
 """
 
+from ._quiet import quiet_third_party_import_noise
 from .backend import backend, explain
 from .decorator import compile
 from .functional import linear
 from .passes.verify import QuantizationError
 from .plan import Plan, PlanRow
 from .quant_registry import QTensor, QuantizationConfig, QuantKey, QuantSpec, dequantize, keys, quant_key, quantize
+
+quiet_third_party_import_noise()  # torchao is imported later, lazily (FP4 packing) or by transformers
 
 __all__ = [
     # compile
