@@ -16,6 +16,7 @@ import time
 import warnings
 from pathlib import Path
 
+from .presets import default_preset
 from .quant_registry.spec import SHORTHANDS, QuantizationConfig, QuantSpec, parse_cli
 
 COMMANDS = ("explain", "formats", "run")
@@ -50,7 +51,7 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from .lowering import LOWERINGS
-    from .presets import DEFAULT_PRESET, DTYPES, PRESETS
+    from .presets import DEFAULT_PRESETS, DTYPES, PRESETS
 
     root = _Parser(prog="quantpass", description="Quantize the linear and MoE layers of a model with torch.compile.")
     commands = root.add_subparsers(dest="command", parser_class=_Parser)
@@ -64,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     formats = commands.add_parser("formats", help="the format names, their keys and the backends per device")
     for sub in (run, explain):
         sub.epilog = quantization_help
-        sub.add_argument("--model", default=DEFAULT_PRESET, help=f"a preset ({', '.join(PRESETS)}) or a checkpoint dir")
+        sub.add_argument(
+            "--model",
+            help=f"a preset ({', '.join(PRESETS)}; default per device: {DEFAULT_PRESETS}) or a checkpoint dir",
+        )
         sub.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
         sub.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16")
         sub.add_argument("--prompt-length", type=_positive, default=16)
@@ -104,9 +108,12 @@ def main(argv=None) -> int:
         named = any(a == "--quantization" or a.startswith("--quantization=") for a in argv)
         with _quiet():
             args.device = _device(args.device)
+            preset_defaulted, args.model = args.model is None, args.model or default_preset(args.device)
             model_config = _check_before_work(args)
             configs, why = _configs(config, getattr(args, "compare", None), named, args.device)
             _check_configs(configs, args.device, model_config)
+            if why and preset_defaulted:
+                why += f"; the {args.model} preset is the default model on {args.device}"
             if why:
                 _step(why)
             return _explain(args, configs[0][1]) if args.command == "explain" else _run(args, configs)
@@ -329,11 +336,11 @@ def _quiet():
 # -- commands -------------------------------------------------------------------------------------
 
 
-def _load(args):
+def _load(args, trained: bool = True):
     from .presets import load_model
 
     _step(f"loading model {args.model!r}")
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, progress=_step)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, progress=_step, trained=trained)
     ids = loaded.prompt(args.prompt_length)
     _step(f"{loaded.description}; {loaded.parameters / 1e6:.2f} M parameters; prompt of {ids.shape[1]} tokens")
     return loaded, ids
@@ -342,7 +349,7 @@ def _load(args):
 def _explain(args, config: QuantizationConfig) -> int:
     from .backend import explain
 
-    loaded, ids = _load(args)
+    loaded, ids = _load(args, trained=False)  # a plan depends on the architecture, not the weights
     _step(f"capturing with Dynamo and planning {_label(config)}")
     plan = _guarded(lambda: explain(loaded.model, ids, config=config))
     print(plan)

@@ -3,8 +3,8 @@
 A quantized model is measured next to the unquantized one compiled with the same lowering in the
 same process, and their timings are interleaved round by round, so load on a shared machine hits
 both alike. A speed-up is the median of the per-round ratios, reported with their range; a range
-that includes 1 is noise. A compile time is compared only with one made from the same state of
-Inductor's on-disk caches (`CompileCost.comparable`).
+that includes 1 is noise. A compile time is compared only with one that met the same state of
+Inductor's on-disk kernel cache (`CompileCost.comparable`).
 """
 
 from __future__ import annotations
@@ -115,28 +115,24 @@ def warm_up(lowering: str, device: str | torch.device = "cpu") -> float:
 
 @dataclass(frozen=True)
 class CompileCost:
-    """The first call's seconds and the state of Inductor's on-disk caches it met: `kernels_built`
-    kernels compiled from source during it (None: no Inductor), `fx_cache` what Inductor's FX
-    graph cache answered ("hit", "miss", "bypass"; "-": not asked)."""
+    """The first call's seconds, and how many kernels Inductor compiled from source during it
+    (None: no Inductor). Inductor's FX graph cache is off for the call (both sides lower from
+    scratch), but the kernels it builds stay cached on disk and a later compile reuses them."""
 
     seconds: float
     kernels_built: int | None = None
-    fx_cache: str = "-"
 
     def comparable(self, other: CompileCost) -> bool:
-        """Same cache state: no kernel built on either side and the same FX-cache answer."""
-        if self.kernels_built is None and other.kernels_built is None:
-            return True
-        return self.kernels_built == other.kernels_built == 0 and self.fx_cache == other.fx_cache
+        """Same cache state: no kernel built on either side (or no Inductor on either)."""
+        return self.kernels_built == other.kernels_built and self.kernels_built in (None, 0)
 
     def label(self) -> str:
         if self.kernels_built is None:
             return ""
-        built = f"built {self.kernels_built} kernel{'s' * (self.kernels_built != 1)}"
-        return built if self.fx_cache == "-" else f"{built}, FX cache {self.fx_cache}"
+        return f"built {self.kernels_built} kernel{'s' * (self.kernels_built != 1)}"
 
 
-def _inductor_cache_files() -> set[str]:
+def _inductor_kernel_files() -> set[str]:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     found = set()
@@ -145,22 +141,16 @@ def _inductor_cache_files() -> set[str]:
     return found
 
 
-def _fx_cache_counts() -> dict[str, int]:
-    from torch._dynamo.utils import counters
-
-    return {answer: counters["inductor"][f"fxgraph_cache_{answer}"] for answer in ("hit", "miss", "bypass")}
-
-
 def _first_call(compiled, prompt: torch.Tensor, lowering: str) -> tuple[torch.Tensor, CompileCost]:
     if lowering != "inductor":
         output, seconds = timed(compiled, prompt)
         return output, CompileCost(seconds)
-    files, counts = _inductor_cache_files(), _fx_cache_counts()
-    output, seconds = timed(compiled, prompt)
-    after = _fx_cache_counts()
-    answers = [answer for answer in counts if after[answer] > counts[answer]]
-    fx_cache = "/".join(answers) or "-"
-    return output, CompileCost(seconds, len(_inductor_cache_files() - files), fx_cache)
+    import torch._inductor.config
+
+    files = _inductor_kernel_files()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        output, seconds = timed(compiled, prompt)
+    return output, CompileCost(seconds, len(_inductor_kernel_files() - files))
 
 
 # -- one compiled model, and timing two side by side ---------------------------------------------

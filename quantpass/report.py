@@ -88,7 +88,7 @@ def comparison(baseline: Measurement, quantized: Measurement) -> dict:
     """The numbers a run reports for one format, against the unquantized compiled model timed in
     the same rounds. Speed-ups: median of the per-round ratios, their range, and whether that range
     includes 1 (noise). The compile-time ratio is None when the two compiles met different states
-    of Inductor's caches (`CompileCost.comparable`)."""
+    of Inductor's kernel cache (`CompileCost.comparable`)."""
     cos, top1 = logits_agreement(baseline.logits, quantized.logits)
     same = sum(a == b for a, b in zip(baseline.tokens, quantized.tokens))
     comparable = baseline.compile.comparable(quantized.compile)
@@ -158,8 +158,8 @@ def run_table(baseline: Measurement, quantized: Measurement, lowering: str) -> s
     ]
     if c["compile_time_ratio"] is None:
         notes.append(
-            "compile times not compared: the two compiles met Inductor's on-disk caches in different states "
-            "(kernels built from source, FX graph cache answer); a second run compares warm caches"
+            "compile times not compared: Inductor built kernels from source during one of them, the other "
+            "reused cached ones; a second run compares the two with every kernel cached"
         )
     return text + "\n" + "\n".join(f"({note})" for note in notes)
 
