@@ -10,6 +10,7 @@ from .functional import linear
 from .passes.verify import QuantizationError
 from .plan import Plan, PlanRow
 from .quant_registry import QTensor, QuantizationConfig, QuantKey, QuantSpec, dequantize, keys, quant_key, quantize
+from .weights import load_weights, refresh_weights, state_dict
 
 quiet_third_party_import_noise()  # torchao is imported later, lazily (FP4 packing) or by transformers
 
@@ -32,4 +33,8 @@ __all__ = [
     "dequantize",
     "linear",
     "quantize",
+    # weights of a quantized model
+    "load_weights",
+    "refresh_weights",
+    "state_dict",
 ]
