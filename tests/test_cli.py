@@ -123,11 +123,11 @@ def test_readme_lists_every_env_flag():
         ([], "missing command; valid: explain, formats, run"),
         (["run", "--device", "foo"], "invalid device 'foo'; valid here: cpu"),
         (["run", "--device", "mps"], "invalid device 'mps': quantpass runs on cpu and cuda; valid here: cpu"),
-        (["run", "--prompt-length", "100000"], "invalid --prompt-length 100000: the model 'moe' has 512 positions"),
+        (["run", "--prompt-length", "100000"], "invalid --prompt-length 100000: the model 'dense' has 512 positions"),
         (["run", "--prompt-length", "510"], "(--prompt-length + --new-tokens 8 must fit)"),
         (["explain", "--model", "dense", "--prompt-length", "513"], "the model 'dense' has 512 positions"),
         (
-            ["run", "--quantization", "mxfp8", "--quantization-config.moe.activation", "none"],
+            ["run", "--model", "moe", "--quantization", "mxfp8", "--quantization-config.moe.activation", "none"],
             "no moe kernel for weight kMxfp8Static with activation none (see `quantpass formats`",
         ),
         (

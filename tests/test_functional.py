@@ -138,3 +138,12 @@ def test_torch_compile_options_fail_at_the_first_call_with_their_line_first(opti
 def test_backend_object_fails_at_construction():
     with pytest.raises(ValueError, match=r"^invalid quantization 'fp8_per_chanel'; valid: "):
         qp.backend(linear="fp8_per_chanel")
+
+
+@pytest.mark.xfail(strict=True, reason="qp.explain traces a model whose weights quantpass released (issue #12)")
+def test_explain_after_a_compile_released_the_weights():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        torch.compile(model, backend=qp.backend(linear="int8_weight_only", lowering="aot_eager"))(x)
+    assert qp.explain(model, x, linear="int4_weight_only").quantized()

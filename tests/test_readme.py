@@ -36,8 +36,6 @@ CHECKS = {
 NOT_RUN = {
     "python3 -m venv": "creates a virtual environment and installs packages from the network",
 }
-GRAD_MODE = pytest.mark.xfail(strict=True, reason="grad-mode quantization lands with issue #11")
-GRAD_MODE_BLOCKS = ("@qp.compile(", 'options={"linear": "int8_weight_only"')  # run outside torch.no_grad()
 
 
 def fenced(language: str) -> list[str]:
@@ -48,8 +46,7 @@ def python_blocks() -> list:
     params = []
     for body in fenced("python"):
         key = next((k for k in CHECKS if k in body), None)
-        marks = [GRAD_MODE] if key in GRAD_MODE_BLOCKS else []
-        params.append(pytest.param(body, key, marks=marks, id=(key or body.splitlines()[0])[:30]))
+        params.append(pytest.param(body, key, id=(key or body.splitlines()[0])[:30]))
     return params
 
 
