@@ -260,7 +260,7 @@ def device_defaults(device: str) -> tuple[list[tuple[str, QuantizationConfig]], 
 
     capability = Capability.detect(device)
     problems = {"linear": Problem(**LINEAR_PROBLEM), "moe": Problem(**MOE_PROBLEM)}
-    runs, chosen = [], []
+    runs, backends = [], []
     for per_kind in DEVICE_DEFAULTS[torch.device(device).type]:
         names = {}
         for kind, options in per_kind.items():
@@ -272,14 +272,15 @@ def device_defaults(device: str) -> tuple[list[tuple[str, QuantizationConfig]], 
                     continue
                 if backend != "reference" or name == options[-1]:
                     names[kind] = name
-                    chosen.append(f"{kind} {name} on {backend}")
+                    backends.append(backend)
                     break
         config = QuantizationConfig(**names)
         runs.append((_label(config), config))
     labels = " and ".join(label for label, _ in runs)
+    kernels = ", ".join(dict.fromkeys(backends))
     why = (
-        f"no format given: running {labels} in {default_dtype(device)}, the formats with a fast kernel on "
-        f"{device} ({'; '.join(dict.fromkeys(chosen))}); --quantization, --compare and --dtype choose others"
+        f"no format given: comparing {labels} in {default_dtype(device)} with the unquantized model, the formats "
+        f"with a fast kernel on {device} (backend {kernels}); --quantization, --compare and --dtype choose others"
     )
     return runs, why
 

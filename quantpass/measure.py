@@ -14,7 +14,7 @@ import gc
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 
@@ -192,8 +192,9 @@ class Measurement:
         return self.new_tokens / statistics.median(self.generate_seconds)
 
     def to_dict(self) -> dict:
-        skip = ("logits", "plan", "forward")
-        out = {k: v for k, v in asdict(self).items() if k not in skip}
+        skip = ("logits", "plan", "forward")  # not JSON; `forward` is a compiled model (asdict would deep-copy it)
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skip}
+        out["compile"] = asdict(self.compile)
         if self.prefill_seconds:
             out["prefill_tokens_per_second"] = self.prefill_tokens_per_second
             out["generate_tokens_per_second"] = self.generate_tokens_per_second
@@ -248,26 +249,19 @@ def quantized_copy(model: torch.nn.Module) -> torch.nn.Module:
 def time_side_by_side(
     sides: list[Measurement], ids: torch.Tensor, rounds: int = 5, prefill_calls: int = 3
 ) -> list[Measurement]:
-    """Time each side's prefill and generation in `rounds` interleaved rounds; returns copies with
-    `prefill_seconds` / `generate_seconds` filled (one entry per round)."""
+    """Time each side's prefill and generation in `rounds` interleaved rounds (the order of the
+    sides reversed every other round); returns copies with `prefill_seconds` / `generate_seconds`
+    filled, one entry per round."""
     prefill = [[] for _ in sides]
     generate = [[] for _ in sides]
     with torch.no_grad():
-        for _ in range(rounds):
-            for i, side in enumerate(sides):
+        for round_ in range(rounds):
+            order = list(enumerate(sides))[:: -1 if round_ % 2 else 1]
+            for i, side in order:
                 prefill[i].append(min(timed(side.forward, ids)[1] for _ in range(prefill_calls)))
-            for i, side in enumerate(sides):
+            for i, side in order:
                 generate[i].append(greedy_generate(side.forward, ids, side.new_tokens)[1])
-    return [
-        _with_timings(side, seconds_prefill, seconds_generate)
-        for side, seconds_prefill, seconds_generate in zip(sides, prefill, generate)
-    ]
-
-
-def _with_timings(side: Measurement, prefill: list[float], generate: list[float]) -> Measurement:
-    timed_side = copy.copy(side)
-    timed_side.prefill_seconds, timed_side.generate_seconds = prefill, generate
-    return timed_side
+    return [replace(side, prefill_seconds=p, generate_seconds=g) for side, p, g in zip(sides, prefill, generate)]
 
 
 @dataclass(frozen=True)

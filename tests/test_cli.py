@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantpass import cli
 from quantpass.cli import main
 from quantpass.envs import ENV_VARS
 from quantpass.report import formats_table
@@ -29,7 +30,7 @@ def test_run_on_the_default_preset_under_two_minutes(capsys, tmp_path):
     captured = capsys.readouterr()
     out = captured.out
     assert elapsed < 120, f"quantpass run took {elapsed:.0f} s"
-    assert "[quantpass] no format given: running int8_weight_only and int4_weight_only in bfloat16" in captured.err
+    assert "[quantpass] no format given: comparing int8_weight_only and int4_weight_only in bfloat16" in captured.err
     assert "== int8_weight_only: int8_weight_only ==" in out and "== int4_weight_only: int4_weight_only ==" in out
     for row in ("layers quantized", "kernels", "weight bytes", "resident weight memory", "logits cosine similarity"):
         assert re.search(rf"^{row} ", out, re.M), row
@@ -62,6 +63,26 @@ def test_run_compare_writes_every_format(capsys, tmp_path):
         low, high = f["prefill_speedup_range"]
         assert low <= f["prefill_speedup"] <= high and f["prefill_speedup_within_noise"] == (low <= 1 <= high)
         assert f["resident_bytes"] > 0 and f["compile_time_ratio"] > 0
+
+
+@pytest.mark.parametrize(
+    "device, sm, libs, labels",
+    [
+        ("cpu", None, (), ["int8_weight_only", "int4_weight_only"]),  # the cpu backend's kernels
+        ("cuda", 90, ("triton",), ["linear fp8_per_channel, moe mxfp8"]),
+        ("cuda", 100, ("triton", "flashinfer"), ["linear fp8_per_channel, moe mxfp8"]),
+        ("cuda", 80, ("triton",), ["int8_weight_only"]),  # no FP8 on sm80: the next format with a kernel
+    ],
+)
+def test_device_defaults_are_the_formats_with_a_fast_kernel(monkeypatch, device, sm, libs, labels):
+    from quantpass.kernels import oracle
+
+    capability = oracle.Capability(device, sm, frozenset(libs))
+    monkeypatch.setattr(oracle.Capability, "detect", classmethod(lambda cls, _: capability))
+    runs, why = cli.device_defaults(device)
+    assert [label for label, _ in runs] == labels
+    assert why.startswith(f"no format given: comparing {' and '.join(labels)} in bfloat16 with the unquantized model")
+    assert "\n" not in why
 
 
 def test_explain_in_a_subprocess_logs_the_oracle_rejections():
