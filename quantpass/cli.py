@@ -205,18 +205,16 @@ def _check_configs(configs: list[tuple[str, QuantizationConfig]], device: str, m
     from .kernels.oracle import candidates
 
     kinds = ["linear", "moe"] if _is_moe(model_config) else ["linear"]
+    device_type = torch.device(device).type
     for label, config in configs:
-        for kind in kinds:
-            specs = [getattr(config, kind), *config.targets.values()] if kind == "linear" else [getattr(config, kind)]
-            for spec in filter(None, specs):
-                if spec.weight is None:
-                    continue
-                if candidates(kind, spec.pair, torch.device(device).type) is None:
-                    activation = spec.activation or "none"
-                    raise UsageError(
-                        f"format {label!r}: no {kind} kernel for weight {spec.weight} with activation {activation} "
-                        f"(see `quantpass formats` for the pairs each kind runs)"
-                    )
+        checks = [(spec, [kind]) for kind in kinds if (spec := getattr(config, kind)) is not None]
+        checks += [(spec, kinds) for spec in config.targets.values() if spec is not None]  # a layer of any kind
+        for spec, spec_kinds in checks:
+            if spec.weight is not None and all(candidates(k, spec.pair, device_type) is None for k in spec_kinds):
+                raise UsageError(
+                    f"format {label!r}: no {' or '.join(spec_kinds)} kernel for weight {spec.weight} with activation "
+                    f"{spec.activation or 'none'} (see `quantpass formats` for the pairs each kind runs)"
+                )
 
 
 def _is_moe(model_config) -> bool:
