@@ -83,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
         help="CPU threads for torch (default: torch's; 1 steadies timings on a busy machine)",
     )
     run.add_argument("--no-verify", action="store_true", help="skip the per-site SQNR check at compile time")
+    run.add_argument(
+        "--keep-original-weights",
+        action="store_true",
+        help="keep each quantized weight's full-precision original (default: its storage is freed)",
+    )
     run.add_argument("--debug-dir", metavar="DIR", help="dump graphs, plans and depyf output per compile here")
     formats.add_argument("--markdown", action="store_true", help="a Markdown table (as in README.md)")
     return root
@@ -363,7 +368,7 @@ def _run(args, configs) -> int:
     from .measure import measure, quantized_copy, time_side_by_side, warm_up
     from .report import comparison, run_table, summary_table
 
-    options = {"lowering": args.lowering, "verify": not args.no_verify}
+    options = backend_options(args)
     for _, config in configs:
         BackendOptions.parse(config=config, **options)  # bad options fail before any work
     if args.threads:
@@ -416,6 +421,15 @@ def _run(args, configs) -> int:
         }
         _write_json(args.json, payload)
     return 0
+
+
+def backend_options(args) -> dict:
+    """The quantpass backend options `quantpass run`'s flags give."""
+    return {
+        "lowering": args.lowering,
+        "verify": not args.no_verify,
+        "keep_original_weights": args.keep_original_weights,
+    }
 
 
 def _guarded(fn):

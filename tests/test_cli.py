@@ -65,6 +65,12 @@ def test_run_compare_writes_every_format(capsys, tmp_path):
         assert f["resident_bytes"] > 0 and f["compile_time_ratio"] > 0
 
 
+@pytest.mark.parametrize("flags, keep", [([], False), (["--keep-original-weights"], True)])
+def test_run_flags_become_backend_options(flags, keep):
+    args = cli._parser().parse_args(["run", "--lowering", "aot_eager", "--no-verify", *flags])
+    assert cli.backend_options(args) == {"lowering": "aot_eager", "verify": False, "keep_original_weights": keep}
+
+
 @pytest.mark.parametrize(
     "device, sm, libs, labels",
     [

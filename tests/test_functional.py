@@ -140,8 +140,7 @@ def test_backend_object_fails_at_construction():
         qp.backend(linear="fp8_per_chanel")
 
 
-@pytest.mark.xfail(strict=True, reason="qp.explain traces a model whose weights quantpass released (issue #12)")
-def test_explain_after_a_compile_released_the_weights():
+def test_explain_after_a_compile_released_the_weights():  # README's first snippet did this (issue #12)
     model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
     x = torch.randn(4, 64)
     with torch.no_grad():

@@ -42,7 +42,6 @@ class QuantizedSite:
     device_type: str
     row: PlanRow
     binding: Binding | None = None
-    nodes: list[fx.Node] = field(default_factory=list)  # its weight placeholders
     probe: tuple[list[fx.Node], fx.Node] | None = None  # (input nodes, output node) in Dynamo's graph
 
 
@@ -56,6 +55,7 @@ class Binding:
     build: Callable[[list[torch.Tensor]], tuple[list[QTensor], list[torch.Tensor]]] | None = None
     nodes: list[fx.Node] = field(default_factory=list)  # its placeholders in the rewritten graph
     release: tuple[bool, ...] = ()  # per parameter: its storage may be freed once quantized
+    deferred: bool = True  # during the pass build.py releases (after the last site); later, build() does
 
     def tensors(self, args) -> list[torch.Tensor]:
         return WEIGHTS.get([args[i] for i in self.param_indices], self.token, self.build)[1]
@@ -189,6 +189,8 @@ def _binding(q: QuantizedSite) -> Binding:
         for param, ref, weight, release in zip(params, site.params, weights, binding.release):
             if release:  # the source for restoring and for other layouts once its storage is freed
                 WEIGHTS.set_canonical(param, (spec.weight, ref.transposed), weight)
+                if not binding.deferred:  # another instance through this graph, new data: free it now
+                    WEIGHTS.release(param)
         return qtensors, [t for qt in qtensors for t in qt.tensors() if t is not None]
 
     binding.build = build
@@ -247,6 +249,8 @@ def quantize_graph(
     for binding in bindings:
         binding.release = tuple(not keep_original_weights and i not in raw for i in binding.param_indices)
     build_and_verify(gm, example_inputs, chosen, verify, verified)
+    for binding in bindings:
+        binding.deferred = False
     extra_inputs = []
     for binding in bindings:
         tensors = binding.tensors(example_inputs)
