@@ -158,8 +158,8 @@ def run_table(baseline: Measurement, quantized: Measurement, lowering: str) -> s
     ]
     if c["compile_time_ratio"] is None:
         notes.append(
-            "compile times not compared: Inductor built kernels from source during one of them, the other "
-            "reused cached ones; a second run compares the two with every kernel cached"
+            "compile times not compared: Inductor built kernels from source during at least one of them, "
+            "which later compiles reuse from its cache; a second run compares the two with every kernel cached"
         )
     return text + "\n" + "\n".join(f"({note})" for note in notes)
 

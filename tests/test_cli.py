@@ -23,21 +23,21 @@ from quantpass.report import formats_table
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU defaults (CUDA gets FP8 + MXFP8, moe preset)")
 def test_run_on_the_default_preset_under_two_minutes(capsys, tmp_path):
     started = time.perf_counter()
-    assert main(["run", "--json", str(tmp_path / "run.json")]) == 0  # the default: moe preset, Inductor
+    assert main(["run", "--json", str(tmp_path / "run.json")]) == 0  # CPU defaults: dense preset, INT8 + INT4, bf16
     elapsed = time.perf_counter() - started
     captured = capsys.readouterr()
     out = captured.out
-    assert elapsed < 120, f"quantpass run took {elapsed:.0f} s"
     assert "[quantpass] no format given: comparing int8_weight_only and int4_weight_only in bfloat16" in captured.err
     assert "== int8_weight_only: int8_weight_only ==" in out and "== int4_weight_only: int4_weight_only ==" in out
     for row in ("layers quantized", "kernels", "weight bytes", "resident weight memory", "logits cosine similarity"):
         assert re.search(rf"^{row} ", out, re.M), row
     assert re.search(r"^compile time \(first call\) .* s", out, re.M)
     assert re.search(r"^generate tokens/s \(8 greedy\) +[0-9.]+ \([0-9.]+-[0-9.]+\) ", out, re.M)  # median (range)
-    assert re.search(r"^linear: 8 quantized \(int8_weight_only; cpu 8\)", out, re.M)  # the plan's summary
-    assert re.search(r"^moe: |\| moe: 2 quantized \(int8_weight_only; cpu 2\)", out, re.M)
+    assert "the dense preset is the default model on cpu" in captured.err
+    assert re.search(r"^linear: 14 quantized \(int8_weight_only; cpu 14\) \| 1 skipped$", out, re.M)  # plan summary
     result = json.loads((tmp_path / "run.json").read_text())
     int8, int4 = result["formats"]
     assert int8["config"]["linear"] == {"weight": "kInt8StaticChannelSym", "activation": None}
@@ -47,6 +47,7 @@ def test_run_on_the_default_preset_under_two_minutes(capsys, tmp_path):
     assert int8["weight_bytes_ratio"] < 0.6 and int4["weight_bytes_ratio"] < 0.35
     assert len(int8["prefill_seconds"]) == len(int8["baseline_timings"]["prefill_seconds"]) == 5
     assert result["baseline"]["compile"]["seconds"] > 0 and int8["generate_tokens_per_second"] > 0
+    assert elapsed < 120, f"quantpass run took {elapsed:.0f} s"  # on a quiet 2-core machine; load slows it
 
 
 def test_run_compare_writes_every_format(capsys, tmp_path):
