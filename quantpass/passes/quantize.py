@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..kernels.oracle import Capability, NoKernelError, select
+from ..kernels.oracle import Capability, NoKernelError
 from ..patterns.linear import find_linear_sites
 from ..patterns.site import ParamRef, Site, param_refs
 from ..plan import Plan, PlanRow
@@ -83,6 +83,7 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
     else:
         matches = find_moe_sites(graph, example_inputs)
         moe_sites, claimed, expert_linears = matches.sites, matches.claimed, matches.expert_linears
+        moe_sites = [*moe_sites, *matches.expert_gemms]  # unproven experts: quantized GEMM by GEMM
         rows = [
             PlanRow(fqn, "moe", None, None, None, f"left to the linear pass: {why}") for fqn, why in matches.unproven
         ]
@@ -125,16 +126,14 @@ def plan_sites(
         if spec is None:
             decided.append(left(why))
             continue
-        activation = _value(site.input_nodes[0])
+        activation = _value(site.input_nodes[0]) if site.input_nodes else None
         if activation is not None and not activation.is_floating_point():
             decided.append(left(f"its input is {activation.dtype}, not floating point (eager raises on it too)"))
             continue
         values = [example_inputs[p.index] for p in site.params]
         capability = Capability.detect(values[0].device)
         try:
-            selection = select(
-                site.kind, spec.weight, spec.activation, capability, site.problem, config.backend_for(site.kind)
-            )
+            spec, selection = site.choose_backend(spec, capability, config.backend_for(site.kind))
         except NoKernelError as e:
             raise NoKernelError(f"layer {site.fqn!r}: {e}") from None
         notes = "".join(f"; {note}" for note in site.notes)
