@@ -3,6 +3,7 @@
 `import quantpass` needs no GPU, no FlashInfer and does not import Triton.
 """
 
+from ._quiet import quiet_third_party_import_noise
 from .backend import backend, explain
 from .decorator import compile
 from .functional import linear
@@ -10,6 +11,8 @@ from .passes.verify import QuantizationError
 from .plan import Plan, PlanRow
 from .quant_registry import QTensor, QuantizationConfig, QuantKey, QuantSpec, dequantize, keys, quant_key, quantize
 from .weights import load_weights, refresh_weights, state_dict
+
+quiet_third_party_import_noise()  # torchao is imported later, lazily (FP4 packing) or by transformers
 
 __all__ = [
     # compile
