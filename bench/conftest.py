@@ -4,6 +4,8 @@
     --bench-threads N          torch.set_num_threads(N) for the session (CPU timings)
     --bench-triton-interpret   run the triton provider on CPU through Triton's interpreter (slow)
     --bench-csv PATH           results file, one row per benchmark or skip (default bench/out/kernels.csv)
+    --bench-shapes WHICH       all (default), target (the shapes tagged "target") or rest (the others)
+    --bench-append             add to the results file instead of starting it afresh (a second step)
 
 Every bench flag lives here. Rows are appended as each benchmark finishes; the session ends with a
 table of speed-ups vs torch_bf16 per shape (bench/summary.py).
@@ -26,6 +28,7 @@ import suites
 import summary
 
 DEFAULT_CSV = Path(__file__).parent / "out" / "kernels.csv"
+SHAPE_SETS = ("all", "target", "rest")
 
 
 def pytest_addoption(parser):
@@ -34,6 +37,8 @@ def pytest_addoption(parser):
     group.addoption("--bench-threads", type=int, default=None, help="torch CPU threads")
     group.addoption("--bench-triton-interpret", action="store_true", help="triton provider on CPU (interpreter)")
     group.addoption("--bench-csv", default=str(DEFAULT_CSV), help="results file")
+    group.addoption("--bench-shapes", default="all", choices=SHAPE_SETS, help="which shapes of the suite")
+    group.addoption("--bench-append", action="store_true", help="append to the results file")
 
 
 def pytest_configure(config):
@@ -48,7 +53,10 @@ def pytest_configure(config):
 def pytest_generate_tests(metafunc):
     """`linear_case` / `moe_case`: the suite's (shape, format, provider) cases, in run order."""
     linear, linear_formats, moe, moe_formats = suites.suite(suites.selected(metafunc.config))
+    which = metafunc.config.getoption("bench_shapes", default="all")
     for kind, shapes, formats in (("linear", linear, linear_formats), ("moe", moe, moe_formats)):
+        if which != "all":  # the target shapes first, as a step of their own (device_check.sh)
+            shapes = [s for s in shapes if (s.tag == "target") == (which == "target")]
         if f"{kind}_case" in metafunc.fixturenames:
             values, ids = providers.cases(kind, shapes, formats)
             metafunc.parametrize(f"{kind}_case", values, ids=ids)
@@ -86,8 +94,9 @@ def record(pytestconfig):
     path, rows = pytestconfig._bench_results
     device = _device_name()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        csv.DictWriter(f, summary.FIELDS).writeheader()
+    if not (pytestconfig.getoption("bench_append", default=False) and path.is_file()):
+        with open(path, "w", newline="") as f:
+            csv.DictWriter(f, summary.FIELDS).writeheader()
 
     def append(**row):
         row = {"device": device, **row}
