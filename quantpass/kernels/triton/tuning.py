@@ -67,14 +67,15 @@ def dense_gemm_configs(n: int, k: int, m_bucket: int, scheme: GemmScheme | None 
     out because they spill registers (`ptxas -v` via tests/triton_aot.py, sm90 and sm100, 2026-12-01):
     128x256 tiles (the fp32 accumulator plus the precise-FP8 partial one need > 255 registers per
     thread; INT8's int32 one alone fits: kept for INT8), 128x128 with 4 warps, and for tl.dot_scaled
-    (MX) 16x128x256 decode and 64x128 4-warp tiles.
+    (MX, sm90) 16x128x256 decode and 64x128 4-warp tiles (12-116 B each).
     """
     mx = scheme is not None and scheme.mode == "dot_scaled"
     if m_bucket <= 16:
         shapes = [(bn, bk) for bn in (32, 64, 128) for bk in (128, 256) if not (mx and bn * bk > 128 * 128)]
         configs = [_config(16, bn, bk, 1, 4, stages) for bn, bk in shapes for stages in (3, 5)]
     elif m_bucket <= 64:
-        configs = [_config(bm, bn, 128, 8, 4, stages) for bm in (32, 64) for bn in (64, 128) for stages in (3, 4)]
+        shapes = [(bm, bn) for bm in (32, 64) for bn in (64, 128) if not (mx and bm * bn >= 64 * 128)]
+        configs = [_config(bm, bn, 128, 8, 4, stages) for bm, bn in shapes for stages in (3, 4)]
     else:
         configs = [_config(128, 128, 64, 8, 8, 3), _config(128, 128, 128, 8, 8, 3), _config(128, 128, 128, 8, 8, 4)]
         configs += [_config(64, 256, 128, 8, 8, 3)] + [_config(64, 128, 128, 8, 4, 4)] * (not mx)
