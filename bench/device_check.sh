@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU-machine check in ~7.5 minutes including install (budget per step: bench/README.md): a
+# One GPU-machine check in ~7.3 minutes including install (budget per step: bench/README.md): a
 # preflight, the Triton cache warmed in parallel, the H200 targets' benchmarks, the GPU tests at
 # K = 8192 (FP8 row, block, MoE FP8), the other benchmark rows, the rest of the GPU test tier, a
 # memory row, a model benchmark, and summary.md with every target and every row's accuracy PASS/FAIL.
@@ -112,18 +112,18 @@ else
     SUITE=(--bench-suite gpu-quick --benchmark-max-time=0.2 --benchmark-min-rounds=5)
     MODEL=(--device cuda --formats fp8_per_channel,int4_weight_only)
     WARM=(--suite gpu-quick --device cuda --jobs "$JOBS")
-    CAPS=(warm=60 targets=100 gpu-tests-first=40 bench-rest=70 gpu-tests=60 memory=35 model-bench=45)
+    CAPS=(warm=60 targets=60 gpu-tests-first=40 bench-rest=110 gpu-tests=60 memory=35 model-bench=45)
 fi
 cap() { for entry in "${CAPS[@]}"; do [ "${entry%%=*}" = "$1" ] && echo "${entry#*=}"; done; }
 BENCH=(-m pytest -q -rs -p no:cacheprovider --benchmark-only --benchmark-group-by=group
     --benchmark-columns=min,median,rounds "${SUITE[@]}" bench/test_bench_linear.py bench/test_bench_moe.py)
 CSV="$OUT_DIR/kernels.csv"
 
-# -- steps: targets first, so a run cut short still has them ------------------------------------------
+# -- steps: the targets' rows first, so a run cut short still has them --------------------------------
 step warm "$(cap warm)" $PYTHON tests/triton_aot.py "${WARM[@]}"
-step targets "$(cap targets)" $PYTHON "${BENCH[@]}" --bench-shapes target --bench-csv "$CSV"
+step targets "$(cap targets)" $PYTHON "${BENCH[@]}" --bench-rows targets --bench-csv "$CSV"
 step gpu-tests-first "$(cap gpu-tests-first)" $PYTHON -m pytest tests -q -rs -m gpu -k long_k -p no:cacheprovider
-step bench-rest "$(cap bench-rest)" $PYTHON "${BENCH[@]}" --bench-shapes rest --bench-append --bench-csv "$CSV"
+step bench-rest "$(cap bench-rest)" $PYTHON "${BENCH[@]}" --bench-rows rest --bench-append --bench-csv "$CSV"
 step gpu-tests "$(cap gpu-tests)" $PYTHON -m pytest tests -q -rs -m gpu -k "not long_k" -p no:cacheprovider
 step memory "$(cap memory)" $PYTHON bench/memory_check.py --format fp8_per_channel
 step model-bench "$(cap model-bench)" $PYTHON bench/model_bench.py --model moe "${MODEL[@]}" --compile-formats "" --out "$OUT_DIR"
