@@ -27,7 +27,7 @@ FIELDS = [
 # Accuracy floors, dB of SQNR against the unquantized fp32 result, per format: (linear, moe). Each is
 # the minimum measured with the reference backend (3 seeds; linear M=64 N=K=1024, MoE E=8 top-2 H=512
 # I=256 T=64; weights std 0.02, bf16; 2026-12-01) less 3 dB. The bf16 baseline's are its CPU rows
-# (55.6 / 45.4 dB) less ~15 / 10 dB: GPUs accumulate bf16 GEMMs differently.
+# (55.6 / 45.4 dB) less a chosen 15 / 10 dB (not measured on a GPU: its accumulation order differs).
 # fmt: off
 SQNR_FLOORS = {
     "": (40.0, 35.0),  # unquantized: torch_bf16 / torch_fp32

@@ -277,7 +277,7 @@ def quantized_matmul(
     a_data, a_scale, a_key = (a.data, a.scale, a.key) if isinstance(a, QTensor) else (a, None, None)
     routed = routing is not None
     out_dtype = out_dtype or (a.dtype if isinstance(a, QTensor) else a_data.dtype)
-    top_k = routing.num_pairs // max(a_data.shape[0], 1) if routed else 1
+    top_k = int(routing.num_pairs // max(a_data.shape[0], 1)) if routed else 1  # a constexpr: a plain int
     plan = _plan(weight, a_key, a_data, out_dtype, bias, routed, top_k, router_weights is not None, activation, gate_up_layout)  # fmt: skip
     n, k = plan.n, plan.k
     a_cols = a.shape[-1] if isinstance(a, QTensor) else a_data.shape[-1]
