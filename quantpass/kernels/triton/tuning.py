@@ -141,13 +141,17 @@ def default_moe_config(tokens: int, num_experts: int, top_k: int, scheme: GemmSc
     Rows per expert ~ tokens * top_k / E sets BLOCK_M: decode gets 16-row blocks (tl.dot's minimum),
     a few dozen rows 32. Many rows per expert get 128x128x128, 8 warps, 4 stages: 64x128 tiles with
     8 warps are bound by shared-memory bandwidth on sm90 (compile-only review), and 128x256 ones spill
-    with the precise FP8 accumulation (~400 B, ptxas, tests/triton_aot.py). Block-FP8 keeps BLOCK_K = 128.
+    with the precise FP8 accumulation (~400 B, ptxas, tests/triton_aot.py). Per-step scales (block
+    FP8, 1x128 activation groups) keep a second fp32 tile: 128 rows spill there (sm90 52 B, sm100
+    444 B), so they get 64x128x128, 8 warps, 4 stages. Block-FP8 keeps BLOCK_K = 128.
     """
     rows_per_expert = tokens * top_k / max(num_experts, 1)
     if rows_per_expert <= 16:
         config = _config(16, 64, 128, 1, 4, 4)
     elif rows_per_expert <= 128:
         config = _config(32, 64, 128, 8, 4, 3)
+    elif scheme.b_scale == "block" or scheme.a_scale == "group":  # per-step scales: 128 rows spill (52-444 B)
+        config = _config(64, 128, 128, 16, 8, 4)
     else:
         config = _config(128, 128, 128, 16, 8, 4)
     return fit_block_k(config, scheme)
