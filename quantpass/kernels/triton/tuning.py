@@ -135,26 +135,39 @@ def remember(key: tuple, autotuner) -> None:
         TUNED[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
 
 
-def default_moe_config(tokens: int, num_experts: int, top_k: int, scheme: GemmScheme) -> dict:
-    """Heuristic fused-MoE config (untuned: no GPU here when written).
+def default_moe_config(tokens: int, num_experts: int, top_k: int, scheme: GemmScheme, sm: int | None = None) -> dict:
+    """Heuristic fused-MoE config (untuned: no GPU here when written); `sm` the target (None: assume sm90).
 
     Rows per expert ~ tokens * top_k / E sets BLOCK_M: decode gets 16-row blocks (tl.dot's minimum),
     a few dozen rows 32. Many rows per expert get 128x128x128, 8 warps, 4 stages: 64x128 tiles with
     8 warps are bound by shared-memory bandwidth on sm90 (compile-only review), and 128x256 ones spill
-    with the precise FP8 accumulation (~400 B, ptxas, tests/triton_aot.py). Per-step scales (block
-    FP8, 1x128 activation groups) keep a second fp32 tile: 128 rows spill there (sm90 52 B, sm100
-    444 B), so they get 64x128x128, 8 warps, 4 stages. Block-FP8 keeps BLOCK_K = 128.
+    with the precise FP8 accumulation (~400 B, ptxas, tests/triton_aot.py). Where 128 rows spill too,
+    64x128x128 (8 warps, 4 stages): per-step scales (block FP8, 1x128 activation groups: a second fp32
+    tile; sm90 52-88 B, sm100 444 B) and tl.dot_scaled's upcast below SM100 (8-16 B, triton 3.6).
+    Block-FP8 keeps BLOCK_K = 128.
     """
     rows_per_expert = tokens * top_k / max(num_experts, 1)
+    emulated_mx = scheme.mode == "dot_scaled" and (sm or 90) < 100
     if rows_per_expert <= 16:
         config = _config(16, 64, 128, 1, 4, 4)
     elif rows_per_expert <= 128:
         config = _config(32, 64, 128, 8, 4, 3)
-    elif scheme.b_scale == "block" or scheme.a_scale == "group":  # per-step scales: 128 rows spill (52-444 B)
+    elif scheme.b_scale == "block" or scheme.a_scale == "group" or emulated_mx:
         config = _config(64, 128, 128, 16, 8, 4)
     else:
         config = _config(128, 128, 128, 16, 8, 4)
     return fit_block_k(config, scheme)
+
+
+def target_sm() -> int | None:
+    """The CUDA arch Triton compiles for now (a stand-in driver's in compile-only checks), or None."""
+    try:
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+    except Exception:  # no driver: CPU without the interpreter's stand-in
+        return None
+    return target.arch if target.backend == "cuda" and isinstance(target.arch, int) else None
 
 
 @functools.cache
@@ -193,7 +206,7 @@ def moe_config(
     if table:
         nearest = min(table, key=lambda m: (abs(m - tokens), m))
         return fit_block_k({**default_moe_config(tokens, num_experts, top_k, scheme), **table[nearest]}, scheme)
-    return default_moe_config(tokens, num_experts, top_k, scheme)
+    return default_moe_config(tokens, num_experts, top_k, scheme, target_sm())
 
 
 def write_moe_configs(path: Path, configs: dict[int, dict], source: str) -> None:
