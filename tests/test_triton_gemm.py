@@ -395,6 +395,12 @@ def test_moe_configs_shipped_for_the_h200_target_shape():
     big = tuning.moe_config(4096, 64, 8, 1536, scheme, device="NVIDIA_H200")
     assert [big[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")] == [128, 128, 128, 16, 8, 4]  # fmt: skip
     assert tuning.moe_config(1, 64, 8, 1536, scheme, device="NVIDIA_H200")["BLOCK_M"] == 16
+    many = dict(tokens=4096, num_experts=64, top_k=8)  # 512 rows per expert
+    rows = lambda pair, sm=None: tuning.default_moe_config(**many, scheme=gemm_scheme(*pair), sm=sm)["BLOCK_M"]  # noqa: E731
+    assert rows((keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym)) == 128
+    assert rows((keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym)) == 64  # per-step scales: 128 rows spill
+    assert rows((keys.kMxfp8Static, keys.kMxfp8Dynamic), 90) == 64  # emulated dot_scaled spills at 128 (3.6)
+    assert rows((keys.kMxfp8Static, keys.kMxfp8Dynamic), 100) == 128  # SM100's MX MMA wants 128-row tiles
     for tokens in (1, 64, 4096):  # the sweep's candidates fit the scheme and stay near the rows per expert
         found = tune_moe.candidates(tokens, 64, 8, gemm_scheme(keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym))
         assert found and all(c["BLOCK_K"] == 128 and c["BLOCK_M"] <= max(16, 2 * tokens * 8 / 64) for c in found)

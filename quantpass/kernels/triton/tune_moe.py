@@ -66,7 +66,9 @@ def sweep(experts, top_k, hidden, intermediate, format_name, token_counts, budge
         def run(config, args=args):
             return lambda: fused_moe(*args, config=config)
 
-        default_ms = triton.testing.do_bench(run(tuning.default_moe_config(tokens, experts, top_k, scheme)))
+        default_ms = triton.testing.do_bench(
+            run(tuning.default_moe_config(tokens, experts, top_k, scheme, tuning.target_sm()))
+        )
         best = (None, float("inf"))
         for config in candidates(tokens, experts, top_k, scheme):
             if time.perf_counter() - start > budget_s:
