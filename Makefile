@@ -3,13 +3,17 @@ PYTHON ?= python
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=  # e.g. --bench-threads 1, --bench-suite gpu-quick, --benchmark-json out.json (bench/README.md)
 
-.PHONY: test test-gpu bench lint format
+.PHONY: test test-gpu test-triton-aot bench lint format
 
 test:
 	$(PYTHON) -m pytest tests -q -m "not gpu" -n $(PYTEST_WORKERS) --durations=15
 
 test-gpu:
 	$(PYTHON) -m pytest tests -q -m gpu
+
+# Every Triton launch compiled for sm90 and sm100 without a GPU, registers and spills per config (slow: tens of minutes on 2 cores).
+test-triton-aot:
+	$(PYTHON) tests/triton_aot.py --sm 90 100 --report
 
 bench:
 	$(PYTHON) -m pytest bench -q -rs --benchmark-only --benchmark-group-by=group --benchmark-columns=min,median,mean,rounds $(BENCH_ARGS)
