@@ -9,6 +9,7 @@ from .functional import linear
 from .passes.verify import QuantizationError
 from .plan import Plan, PlanRow
 from .quant_registry import QTensor, QuantizationConfig, QuantKey, QuantSpec, dequantize, keys, quant_key, quantize
+from .weights import load_weights, refresh_weights, state_dict
 
 __all__ = [
     # compile
@@ -29,4 +30,8 @@ __all__ = [
     "dequantize",
     "linear",
     "quantize",
+    # weights of a quantized model
+    "load_weights",
+    "refresh_weights",
+    "state_dict",
 ]

@@ -19,11 +19,14 @@ from .passes.manager import QuantizePass
 from .passes.quantize import Binding
 from .plan import Plan
 from .quant_registry.spec import QuantizationConfig
+from .weight_cache import WEIGHTS
+from .weights import graph_owners, hook_owners
 
 logger = logging.getLogger("quantpass")
 
 CONFIG_OPTIONS = ("linear", "moe", "targets", "ignore", "backend")
-OPTIONS = ("config", *CONFIG_OPTIONS, "lowering", "verify", "debug_dir")
+FLAGS = {"verify": True, "keep_original_weights": False, "requantize": False}  # boolean options, defaults
+OPTIONS = ("config", *CONFIG_OPTIONS, "lowering", "debug_dir", *FLAGS)
 
 
 def _configure_logging() -> None:
@@ -49,6 +52,8 @@ class BackendOptions:
     lowering: str = "inductor"
     verify: bool = True
     debug_dir: str | None = None
+    keep_original_weights: bool = False  # else each original weight's storage is freed once quantized
+    requantize: bool = False  # a pre-quantized checkpoint's weights may be quantized to another format
 
     @classmethod
     def parse(cls, config=None, **options) -> BackendOptions:
@@ -62,22 +67,43 @@ class BackendOptions:
         lowering = options.get("lowering", "inductor")
         if lowering not in LOWERINGS:
             raise ValueError(f"invalid quantpass option lowering={lowering!r}; valid: {', '.join(LOWERINGS)}")
-        verify = options.get("verify", True)
-        if not isinstance(verify, bool):
-            raise ValueError(f"invalid quantpass option verify={verify!r}; valid: True, False")
+        flags = {name: options.get(name, default) for name, default in FLAGS.items()}
+        for name, value in flags.items():
+            if not isinstance(value, bool):
+                raise ValueError(f"invalid quantpass option {name}={value!r}; valid: True, False")
         debug_dir = options.get("debug_dir") or envs.debug_dir()
-        return cls(merged, lowering, verify, None if debug_dir is None else str(debug_dir))
+        return cls(merged, lowering, debug_dir=None if debug_dir is None else str(debug_dir), **flags)
 
 
 class QuantizedGraph:
-    """What Dynamo calls: supplies each site's quantized weights from the cache, then runs."""
+    """What Dynamo calls: supplies each site's quantized weights from the cache, then runs.
 
-    def __init__(self, compiled, bindings: list[Binding]):
+    A parameter this graph reads unquantized may have been released by another graph that
+    quantized it (an embedding tied to a quantized output head): it is restored first, with a
+    warning, never read as freed memory. The check costs one dict lookup per call until something
+    is released again (`WEIGHTS.release_epoch`)."""
+
+    def __init__(self, compiled, bindings: list[Binding], raw_params: list[int]):
         self.compiled = compiled  # a Dynamo-level callable: called with *args, never boxed
         self.bindings = bindings
+        self.raw_params = raw_params
+        self.checked: dict[int, int] = {}  # id of the first raw parameter -> release epoch last checked
 
     def __call__(self, *args):
+        if self.raw_params and self.checked.get(id(args[self.raw_params[0]])) != WEIGHTS.release_epoch:
+            self._restore_released(args)
         return self.compiled(*args, *(t for binding in self.bindings for t in binding.tensors(args)))
+
+    def _restore_released(self, args) -> None:
+        for index in self.raw_params:
+            if WEIGHTS.is_released(args[index]):
+                logger.warning(
+                    "quantpass: a graph reads a weight of shape %s unquantized after quantpass released it; "
+                    "restoring it from its quantized value (pass keep_original_weights=True to keep originals)",
+                    tuple(args[index].shape),
+                )
+                WEIGHTS.restore(args[index])
+        self.checked[id(args[self.raw_params[0]])] = WEIGHTS.release_epoch
 
 
 @dataclass
@@ -87,6 +113,13 @@ class QuantpassBackend:
     options: BackendOptions
     plans: list[Plan] = field(default_factory=list)
     graphs: list[tuple] = field(default_factory=list)  # (Dynamo's graph, rewritten graph or None)
+    warned_grad: bool = False
+
+    def __post_init__(self):
+        options = self.options  # one pass per backend: it remembers what it verified across graphs
+        self.quantize_pass = QuantizePass(
+            options.config, options.verify, options.keep_original_weights, options.requantize
+        )
 
     @property
     def plan(self) -> Plan:
@@ -98,26 +131,43 @@ class QuantpassBackend:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         options = self.options
-        if options.config.is_empty:  # nothing to quantize: plain lowering
-            return lower(gm, example_inputs, options.lowering)
-        quantize_pass = QuantizePass(options.config, options.verify)
+        if options.config.is_empty and not any(WEIGHTS.declared(v) for v in example_inputs if _is_param(v)):
+            return lower(gm, example_inputs, options.lowering)  # nothing to quantize: plain lowering
+        quantize_pass = self.quantize_pass
         result = quantize_pass(gm, example_inputs)
         self.plans.append(result.plan)
         self.graphs.append((gm, result.graph_module))
         logger.info("%s", result.plan.summary())
+        self._warn_grad(result)
+        if result.sites and not options.keep_original_weights:
+            hook_owners(graph_owners(gm))  # state_dict()/load_state_dict() of released weights
         if options.debug_dir:
             dump_compile(options.debug_dir, gm, result)
         if result.graph_module is None:  # nothing quantized in this graph
-            return lower(gm, example_inputs, options.lowering, quantize_pass.uuid())
+            compiled = lower(gm, example_inputs, options.lowering, quantize_pass.uuid())
+            return QuantizedGraph(compiled, [], result.raw_params).__call__
         inputs = [*example_inputs, *result.extra_inputs]
         compiled = lower(result.graph_module, inputs, options.lowering, quantize_pass.uuid())
         # A bound method, not the object: depyf.prepare_debug reads `__code__` of what backends return.
-        return QuantizedGraph(compiled, [q.binding for q in result.sites]).__call__
+        return QuantizedGraph(compiled, result.bindings, result.raw_params).__call__
+
+    def _warn_grad(self, result) -> None:
+        if self.warned_grad or not any("weight requires grad" in q.row.reason for q in result.sites):
+            return
+        self.warned_grad = True
+        logger.warning(
+            "quantpass: weights require grad with grad mode on; quantized layers still apply (inputs get "
+            "gradients through the dequantized weights, quantized weights none); use torch.no_grad() for inference"
+        )
 
     def __eq__(self, other):  # Dynamo compares backends to decide whether a cache entry fits
         return isinstance(other, QuantpassBackend) and self.options == other.options
 
     __hash__ = object.__hash__
+
+
+def _is_param(value) -> bool:
+    return isinstance(value, torch.nn.Parameter)
 
 
 def backend(config: QuantizationConfig | dict | None = None, **options) -> QuantpassBackend:

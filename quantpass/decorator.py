@@ -89,10 +89,26 @@ def compile(cls=None, *, enabled: bool = True, dynamic_arg_dims=None, enable_if=
             settings.backend = _PlanRecordingBackend(backend_options)
         module_class._quantpass_settings = settings
         module_class.__call__ = _call
+        module_class.__getstate__ = _without_state(module_class.__getstate__)
         module_class.quantpass_plan = property(_plan, doc="The plan of the graphs this instance ran.")
         return module_class
 
     return decorate
+
+
+def _without_state(getstate):
+    """A copy (`copy.deepcopy`, pickle / `torch.save`) is a new instance: it compiles on its own first
+    call. Carrying the original's state over made it skip that and run eagerly, unquantized, while
+    its plan still listed quantized layers (nn.Module already drops `_compiled_call_impl`)."""
+    if getattr(getstate, "_quantpass", False):  # a decorated class's subclass: wrapped already
+        return getstate
+
+    def __getstate__(self):
+        state = getstate(self)
+        return {k: v for k, v in state.items() if k != "_quantpass_state"} if isinstance(state, dict) else state
+
+    __getstate__._quantpass = True
+    return __getstate__
 
 
 def _normalize_dims(dynamic_arg_dims) -> dict[str, list[int]]:

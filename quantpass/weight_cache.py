@@ -1,31 +1,191 @@
 """Quantized weights keyed by the parameter objects actually passed, never baked into a graph.
 
-Dynamo reuses one compiled graph for every instance of a module class, so the runtime wrapper
-asks this cache for each call's weights: the key is the identity of the parameter objects (held
-weakly: an entry dies with its parameter) plus what to build; the entry is valid while each
-parameter's `_version` and `data_ptr()` are unchanged. An in-place update (`param.copy_(new)`,
-RL weight sync) bumps `_version`, `module.to(...)` swaps the data pointer: either re-quantizes.
+Dynamo reuses one compiled graph for every instance of a module class, so the runtime wrapper asks
+this cache for each call's weights (docs/design.md, "Weights"). Two levels:
+
+- a `ParamRecord` per parameter (held weakly: it dies with its parameter) says whether the
+  parameter changed since its quantized copies were built: `_version` (in-place writes such as
+  `param.copy_(new)`) and `data_ptr()` (`param.data = new`, `module.to(...)`). The storage the copies
+  were built from is pinned by the record, so a new storage can never reuse its address and look
+  unchanged. A change bumps the record's `generation`, which invalidates every entry built from it.
+  Writes through `.data` (`p.data.copy_(new)`) bump neither: `refresh(param)` does
+  (`qp.refresh_weights(model)`).
+- entries: what a site built (backend-prepared QTensors) per (parameter objects, token).
+
+Released parameters: once quantized, a parameter's storage is freed (`resize_(0)`; shape, dtype,
+device and identity stay, so guards and graph inputs are unchanged). Its record then keeps the
+*canonical* QTensor (formats.py's layout, `[..., N, K]`) it was quantized to: the source for any
+other layout, for `restore` (dequantize back into the parameter when something must read it
+unquantized) and for `qp.state_dict`.
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
+from .quant_registry.qtensor import QTensor
 
-def _state(params: Sequence[torch.Tensor]) -> tuple:
-    return tuple((p._version, p.data_ptr()) for p in params)
+logger = logging.getLogger("quantpass")
+
+CanonicalKey = Hashable  # (weight QuantKey, transposed): what a canonical QTensor was quantized as
+
+
+@dataclass
+class ParamRecord:
+    ref: weakref.ref  # the parameter
+    state: tuple[int, int]  # (_version, data_ptr) when last seen
+    storage: torch.UntypedStorage  # pinned: its address can't be reused while we compare against it
+    inference: bool  # created under inference_mode: no version counter
+    generation: int = 0
+    released: bool = False
+    canonical: dict[CanonicalKey, QTensor] = field(default_factory=dict)
+    source: str | None = None  # where the quantized value came from when not from this parameter's data
+    spec: object = None  # QuantSpec the value was declared with (a pre-quantized checkpoint's), else None
+
+
+def _state(param: torch.Tensor, inference: bool) -> tuple[int, int]:
+    return (0 if inference else param._version, param.data_ptr())
 
 
 class WeightCache:
     def __init__(self):
+        self._records: dict[int, ParamRecord] = {}
         self._entries: dict[tuple, tuple[tuple, object]] = {}
         self._tokens: dict[Hashable, int] = {}
         self._finalizers: dict[int, weakref.finalize] = {}
-        self.builds = 0  # how many times something was quantized (tests read it)
+        self.builds = 0  # how many times something was built (tests read it)
+        self.release_epoch = 0  # bumped by every release: graphs that read parameters raw check it
 
+    # ------------------------------------------------------------------ per-parameter records
+    def record(self, param: torch.Tensor) -> ParamRecord:
+        record = self._records.get(id(param))
+        if record is None:
+            inference = param.is_inference()
+            record = ParamRecord(weakref.ref(param), _state(param, inference), param.untyped_storage(), inference)
+            self._records[id(param)] = record
+            self._finalizers[id(param)] = weakref.finalize(param, self._forget, id(param))
+        return record
+
+    def generation(self, param: torch.Tensor) -> int:
+        """The parameter's generation, bumped first if it changed since last seen."""
+        record = self._records.get(id(param)) or self.record(param)
+        state = _state(param, record.inference)
+        if state != record.state:
+            self._changed(param, record, state)
+        return record.generation
+
+    def _changed(self, param, record: ParamRecord, state) -> None:
+        record.state, record.storage = state, param.untyped_storage()
+        record.generation += 1
+        record.released = record.storage.nbytes() == 0 and param.numel() > 0
+        if not record.released:  # new data: quantized copies of the old data are stale
+            record.canonical.clear()
+            record.source = record.spec = None
+
+    def refresh(self, param: torch.Tensor) -> None:
+        """Treat the parameter as changed (after writes through `.data`, which bump nothing)."""
+        record = self._records.get(id(param))
+        if record is not None and not record.released:
+            self._changed(param, record, _state(param, record.inference))
+
+    def is_released(self, param: torch.Tensor) -> bool:
+        record = self._records.get(id(param))
+        if record is None:
+            return False
+        self.generation(param)
+        return record.released
+
+    def canonical(self, param: torch.Tensor, key: CanonicalKey) -> QTensor | None:
+        record = self._records.get(id(param))
+        return None if record is None else record.canonical.get(key)
+
+    def set_canonical(self, param: torch.Tensor, key: CanonicalKey, value: QTensor, source: str | None = None):
+        """Keep `value` as the parameter's quantized value (a checkpoint's tensors, or what we built)."""
+        record = self.record(param)
+        record.canonical[key] = value
+        if source is not None:
+            record.source = source
+
+    def attach_quantized(self, param: torch.Tensor, weight: QTensor, spec, source: str, transposed: bool = False):
+        """Make `weight` (formats.py's layout, `[..., N, K]`) the quantized value of a parameter that
+        never held full-precision data (a pre-quantized checkpoint, quantize-on-load): its storage is
+        freed and `spec` (a QuantSpec) becomes its layers' default, shown in the plan as `source`."""
+        record = self.record(param)
+        record.canonical = {(spec.weight, transposed): weight}
+        record.spec, record.source = spec, source
+        if not self.release(param):
+            raise ValueError(f"attach_quantized: the parameter's storage is shared ({source}); give it its own")
+
+    def declared(self, param: torch.Tensor):
+        """(QuantSpec, source) of a parameter attached with `attach_quantized`, else None."""
+        record = self._records.get(id(param))
+        if record is None or record.spec is None:
+            return None
+        self.generation(param)  # new data assigned since (`p.data = ...`) drops the declaration
+        return (record.spec, record.source) if record.spec is not None else None
+
+    def canonical_values(self, param: torch.Tensor) -> dict[CanonicalKey, QTensor]:
+        record = self._records.get(id(param))
+        return {} if record is None else dict(record.canonical)
+
+    def source(self, param: torch.Tensor) -> str | None:
+        record = self._records.get(id(param))
+        return None if record is None else record.source
+
+    def release(self, param: torch.Tensor) -> bool:
+        """Free the parameter's storage; it must hold a canonical value. False when it can't be freed
+        because other tensors may share its storage (a view, or a storage larger than the tensor)."""
+        record = self.record(param)
+        if record.released:
+            return True
+        if not record.canonical:
+            raise RuntimeError("quantpass: release() needs the parameter's quantized value first")
+        storage = param.untyped_storage()
+        if param.storage_offset() != 0 or storage.nbytes() != param.numel() * param.element_size():
+            return False
+        self.generation(param)  # fold any change made before now into the record
+        storage.resize_(0)
+        record.state, record.storage, record.released = _state(param, record.inference), storage, True
+        self.release_epoch += 1
+        _guard_eager_use()
+        # copy.deepcopy / pickle (torch.save(model)) of a released weight: its dequantized value, never
+        # freed memory (instance attributes win over Tensor's methods; `restore` removes them)
+        ref = weakref.ref(param)
+        param.__deepcopy__ = lambda memo: _dense_parameter(ref())
+        param.__reduce_ex__ = lambda protocol: _dense_parameter(ref()).__reduce_ex__(protocol)
+        return True
+
+    def dense(self, param: torch.Tensor) -> torch.Tensor:
+        """A released parameter's values, dequantized from its canonical value, in its own layout."""
+        from .quant_registry.formats import dequantize
+
+        (_, transposed), value = next(iter(self._records[id(param)].canonical.items()))
+        dense = dequantize(value, param.dtype)
+        return (dense.transpose(-2, -1) if transposed else dense).to(param.device)
+
+    def restore(self, param: torch.Tensor) -> None:
+        """Give a released parameter its values back, dequantized from its canonical value. Its
+        quantized copies stay valid (they were made from these values)."""
+        record = self._records[id(param)]
+        dense = self.dense(param)
+        storage = param.untyped_storage()
+        storage.resize_(param.numel() * param.element_size())
+        with torch.no_grad():
+            param.data.copy_(dense)  # through .data: no version bump, the quantized copies stay valid
+        for name in ("__deepcopy__", "__reduce_ex__"):
+            param.__dict__.pop(name, None)
+        record.state, record.storage, record.released = _state(param, record.inference), storage, False
+
+    def released_params(self) -> list[torch.Tensor]:
+        return [p for r in self._records.values() if r.released and (p := r.ref()) is not None]
+
+    # ------------------------------------------------------------------ built entries
     def intern(self, token: Hashable) -> int:
         """A small int standing for `token`: hashing a tuple of QuantKeys on every call of a
         200-site model cost ~0.3 ms per forward (1.5 us per site, measured); an int costs ~0.3 us."""
@@ -33,31 +193,78 @@ class WeightCache:
 
     def get(self, params: Sequence[torch.Tensor], token: Hashable, build: Callable[[list[torch.Tensor]], object]):
         """The value `build(params)` made for these parameter objects and `token` (best an `intern`ed
-        int: it is hashed on every call), rebuilt if stale."""
+        int: it is hashed on every call), rebuilt if any parameter changed since."""
         key = (*map(id, params), token)
-        state = _state(params)
+        generations = tuple(map(self.generation, params))
         entry = self._entries.get(key)
-        if entry is not None and entry[0] == state:
+        if entry is not None and entry[0] == generations:
             return entry[1]
         with torch.no_grad():
-            value = build([p.detach() for p in params])
+            value = build(list(params))
         self.builds += 1
-        self._entries[key] = (state, value)
-        for p in params:
-            if id(p) not in self._finalizers:
-                self._finalizers[id(p)] = weakref.finalize(p, self._forget, id(p))
+        self._entries[key] = (tuple(map(self.generation, params)), value)
         return value
 
     def _forget(self, param_id: int) -> None:
         self._finalizers.pop(param_id, None)
+        self._records.pop(param_id, None)
         for key in [k for k in self._entries if param_id in k[:-1]]:
             del self._entries[key]
 
     def __len__(self) -> int:
         return len(self._entries)
 
+    def nbytes(self) -> int:
+        """Bytes of the distinct tensors the cache holds (what quantpass adds to a process)."""
+        seen, total = set(), 0
+        tensors = [t for _, value in self._entries.values() for t in (value[1] if isinstance(value, tuple) else ())]
+        tensors += [t for r in self._records.values() for qt in r.canonical.values() for t in qt.tensors()]
+        for t in tensors:
+            if t is None:
+                continue
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+        return total
+
     def clear(self) -> None:
         self._entries.clear()
 
 
 WEIGHTS = WeightCache()
+
+
+def _dense_parameter(param: torch.Tensor) -> torch.Tensor:
+    value = WEIGHTS.dense(param) if WEIGHTS.is_released(param) else param.detach().clone()
+    return torch.nn.Parameter(value, param.requires_grad) if isinstance(param, torch.nn.Parameter) else value
+
+
+_EAGER_GUARD: list = []
+
+
+def _guard_eager_use() -> None:
+    """From the first release on, a module that runs eagerly (outside a compiled graph: the user's
+    own `model(x)` to compare, a fallback after a graph break) gets its released weights back
+    before its forward reads them, with a warning; a global forward pre-hook, which compiled code
+    never runs (Dynamo folds `is_compiling()`), costing ~1 us per eager module call."""
+    if not _EAGER_GUARD:
+        _EAGER_GUARD.append(torch.nn.modules.module.register_module_forward_pre_hook(_restore_before_eager_use))
+        # torch.compile(module) then warns that global hooks fire once more for its wrapper module:
+        # harmless here (a wrapper has no parameters of its own), and said on every compiled call.
+        warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
+
+
+def _restore_before_eager_use(module, args):
+    if torch.compiler.is_compiling():
+        return
+    for param in module._parameters.values():
+        if param is not None and WEIGHTS.is_released(param):
+            log = logger.debug if _EAGER_GUARD[1:] else logger.warning  # one warning per process
+            _EAGER_GUARD.append(True)
+            log(
+                "quantpass: %s runs outside the compiled model, but quantpass released its weights after "
+                "quantizing them; restoring them dequantized (keep_original_weights=True keeps the originals)",
+                type(module).__name__,
+            )
+            WEIGHTS.restore(param)

@@ -129,11 +129,12 @@ def test_state_dict_loaded_before_the_first_call():
 def test_weight_update_after_the_first_call_is_picked_up():
     block = AnnotatedBlock()
     x = torch.randn(4, 64)
+    new = torch.randn_like(block.up.weight)
     with torch.no_grad():
-        stale = block(x)
-        block.up.weight.copy_(torch.randn_like(block.up.weight))  # e.g. an RL weight sync
+        stale = block(x)  # quantizes, then frees the original weights
+        qp.load_weights(block, {"up.weight": new})  # e.g. an RL weight sync
         fresh = block(x)
-        expected = Block.forward(block, x)
+        expected = block.down(torch.relu(torch.nn.functional.linear(x, new, block.up.bias))) + x
     assert cosine(expected, fresh) > 0.999 > cosine(expected, stale)
     assert compiles(AnnotatedBlock) == 1
 

@@ -13,7 +13,8 @@ from tiny_models import tiny_llama, token_ids
 from tiny_moe_models import GatherEinsumMoE, ModuleListMoE, OneLayer, SortedExperts, tiny_moe
 
 from quantpass.metrics import cosine, sqnr
-from quantpass.passes.fx_utils import add_placeholders, copy_graph_module, op_counts
+from quantpass.passes.fx_utils import add_placeholders, copy_graph_module, op_counts, set_placeholder_values
+from quantpass.passes.quantize import quantize_site
 from quantpass.patterns.moe import find_moe_sites
 from quantpass.patterns.site import param_refs
 from quantpass.quant_registry.spec import QuantSpec
@@ -67,9 +68,11 @@ def rewrite_all(gm, example_inputs, spec=SPEC, corrupt=None):
     for site in matches.sites:
         if corrupt is not None:
             corrupt(site)
-        qtensors = site.quantize([example_inputs[p.index] for p in site.params], spec, "reference")
+        qtensors = quantize_site(site, [example_inputs[p.index] for p in site.params], spec, "reference")
         tensors = [t for qt in qtensors for t in qt.tensors() if t is not None]
-        nodes = iter(add_placeholders(gm.graph, [f"quantized_{len(extra) + i}" for i in range(len(tensors))], tensors))
+        placeholders = add_placeholders(gm.graph, [f"quantized_{len(extra) + i}" for i in range(len(tensors))])
+        set_placeholder_values(gm.graph, placeholders, tensors)
+        nodes = iter(placeholders)
         weights = [[next(nodes), next(nodes), next(nodes) if qt.scale2 is not None else None] for qt in qtensors]
         site.rewrite(gm.graph, weights, spec, "reference", "cpu")
         extra += tensors
@@ -132,7 +135,7 @@ def check_region(model, site, values):
     torch.testing.assert_close(
         site.run_original([hidden, topk_weights, topk_ids], values), expected, rtol=1e-5, atol=1e-6
     )
-    quantized = site.quantize(values, SPEC, "reference")
+    quantized = quantize_site(site, values, SPEC, "reference")
     experts, intermediate, hidden_size = site.problem.experts, site.problem.n, site.problem.k
     shapes = [(experts, 2 * intermediate, hidden_size), (experts, hidden_size, intermediate)]
     assert [tuple(q.shape) for q in quantized] == shapes  # [E, 2I, H], [E, H, I] whatever the storage

@@ -23,7 +23,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from ..quant_registry.formats import unpack_int4
+from ..quant_registry.formats import dequantize, unpack_int4
 from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
 from ..quant_registry.qtensor import QTensor
 from . import cpu_avx2, reference
@@ -192,6 +192,19 @@ def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     if weight.key == kInt8StaticChannelSym:  # a per-channel scale commutes with the matmul: scale [M, N]
         return F.linear(x, weight.data.to(dtype)) * weight.scale.to(dtype)
     return F.linear(x, dequantize_int4(weight, dtype))
+
+
+def dequantize_prepared(weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A weight in `prepare_weight`'s layout (MoE: stacked per expert) as dense [..., N, K]."""
+    if weight.data.dim() == 3:
+        return torch.stack([dequantize_prepared(weight[e], dtype) for e in range(weight.data.shape[0])])
+    if not _is_prepared(weight):
+        return dequantize(weight, dtype)
+    if weight.key == kInt8StaticChannelSym:
+        dense = weight.data.to(dtype) * weight.scale.to(dtype).unsqueeze(-1)
+    else:
+        dense = dequantize_int4(weight, dtype)
+    return dense[..., : weight.shape[-1]]
 
 
 def dequantize_int4(weight: QTensor, dtype: torch.dtype) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..quant_registry.formats import dequantize
 from ..quant_registry.keys import KEYS, QuantKey
 from ..quant_registry.qtensor import QTensor
 from . import oracle
@@ -112,8 +113,12 @@ def _(hidden, *args, **kwargs):
     return torch.empty_like(hidden)
 
 
-def linear_call(backend: str, device_type: str):
-    """The callable a rewritten graph uses for a linear site on `backend` (same arguments for all)."""
+def linear_call(backend: str, device_type: str, differentiable: bool = False):
+    """The callable a rewritten graph uses for a linear site on `backend` (same arguments for all).
+    `differentiable`: the graph runs with grad mode on, so the site needs `quantpass::linear`'s
+    backward (graph-visible forms would differentiate through rounding)."""
+    if differentiable:
+        return torch.ops.quantpass.linear.default
     if backend == "native":
         from .native import linear_graph
 
@@ -125,12 +130,81 @@ def linear_call(backend: str, device_type: str):
     return torch.ops.quantpass.linear.default
 
 
-def moe_call(backend: str, device_type: str):
+def moe_call(backend: str, device_type: str, differentiable: bool = False):
     module = oracle.backend_module(backend)
     graph_op = getattr(module, "graph_moe_op", None)
-    if graph_op is not None and (op := graph_op(device_type)) is not None:
+    if not differentiable and graph_op is not None and (op := graph_op(device_type)) is not None:
         return op
     return torch.ops.quantpass.fused_moe.default
+
+
+def dense_weight(backend: str, weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A backend-prepared weight as the dense `[..., N, K]` tensor it stands for."""
+    module = oracle.backend_module(backend)
+    dequantize_prepared = getattr(module, "dequantize_prepared", None)
+    if dequantize_prepared is not None:
+        return dequantize_prepared(weight, dtype)
+    if getattr(module, "prepare_weight", None) is not None or getattr(module, "prepare_moe_weights", None) is not None:
+        raise NotImplementedError(f"backend {backend!r} can't turn its weight layout back into a dense tensor")
+    return dequantize(weight, dtype)
+
+
+# Gradients (grad mode on, e.g. adapters on a frozen quantized base): dX comes from the dequantized
+# weight, the activation's quantization passes gradients straight through, and quantized weights
+# get none (they are not inputs of the op that require grad).
+def _setup_linear(ctx, inputs, output):
+    x, w_data, w_scale, w_scale2, _bias, weight_key, _activation_key, backend, out_features = inputs
+    ctx.save_for_backward(w_data, w_scale, w_scale2)
+    ctx.meta = (weight_key, backend, out_features, x.shape[-1], x.dtype)
+
+
+def _linear_backward(ctx, grad):
+    w_data, w_scale, w_scale2 = ctx.saved_tensors
+    weight_key, backend, out_features, in_features, dtype = ctx.meta
+    weight = weight_view(w_data, w_scale, w_scale2, weight_key, out_features, in_features, dtype)
+    grad_x = grad.to(dtype) @ dense_weight(backend, weight, dtype) if ctx.needs_input_grad[0] else None
+    grad_bias = grad.reshape(-1, out_features).sum(0) if ctx.needs_input_grad[4] else None
+    return grad_x, None, None, None, grad_bias, None, None, None, None
+
+
+torch.library.register_autograd("quantpass::linear", _linear_backward, setup_context=_setup_linear)
+
+
+def _setup_moe(ctx, inputs, output):
+    hidden, topk_weights, topk_ids, *rest = inputs
+    tensors = rest[:9]  # w13 data/scale/scale2, w2 data/scale/scale2, b13, b2, expert_map
+    ctx.save_for_backward(hidden, topk_weights, topk_ids, *tensors)
+    ctx.meta = rest[9:]
+
+
+def _moe_backward(ctx, grad):
+    """Recompute the experts in plain torch on dense weights and differentiate that."""
+    from . import reference
+
+    hidden, topk_weights, topk_ids, w13d, w13s, w13s2, w2d, w2s, w2s2, b13, b2, expert_map = ctx.saved_tensors
+    weight_key, _, backend, activation, layout, on_input, intermediate, alpha, limit = ctx.meta
+    hidden_size, dtype = hidden.shape[-1], hidden.dtype
+    w13 = dense_weight(backend, weight_view(w13d, w13s, w13s2, weight_key, 2 * intermediate, hidden_size, dtype), dtype)
+    w2 = dense_weight(backend, weight_view(w2d, w2s, w2s2, weight_key, hidden_size, intermediate, dtype), dtype)
+    inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in (hidden, topk_weights)]
+    with torch.enable_grad():
+        flat, routing = inputs[0].reshape(-1, hidden_size), inputs[1].reshape(-1, topk_ids.shape[-1])
+        out = reference.fused_moe(
+            flat, routing, topk_ids.reshape(flat.shape[0], -1), w13, w2, b13, b2, expert_map, None,
+            activation, layout, on_input, alpha, limit, expert_matmul=_dense_matmul,
+        )  # fmt: skip
+        needed = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out.reshape(grad.shape), needed, grad, allow_unused=True))
+    grad_hidden, grad_topk = (next(grads) if t.requires_grad else None for t in inputs)
+    return grad_hidden, grad_topk, *([None] * 19)
+
+
+def _dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`reference.fused_moe`'s per-expert product when its weights are already dense tensors."""
+    return x @ weight.t().float()
+
+
+torch.library.register_autograd("quantpass::fused_moe", _moe_backward, setup_context=_setup_moe)
 
 
 def prepare_weight(backend: str, kind: str, weight: QTensor) -> QTensor:

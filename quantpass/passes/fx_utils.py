@@ -12,34 +12,49 @@ import torch.fx as fx
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
     """A fresh GraphModule with a copied graph: Dynamo's own graph module is never mutated."""
+    return copy_graph(gm)[0]
+
+
+def copy_graph(gm: fx.GraphModule) -> tuple[fx.GraphModule, dict[fx.Node, fx.Node]]:
+    """`copy_graph_module`, and the map from each of `gm`'s nodes to its copy."""
     graph = fx.Graph()
     graph._codegen = copy.deepcopy(gm.graph._codegen)
     value_map: dict[fx.Node, fx.Node] = {}
     out = graph.graph_copy(gm.graph, value_map)
     old_output = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     graph.output(out, type_expr=old_output.type).meta = copy.copy(old_output.meta)
-    return fx.GraphModule(gm, graph, gm.__class__.__name__)
+    return fx.GraphModule(gm, graph, gm.__class__.__name__), value_map
 
 
-def add_placeholders(graph: fx.Graph, names: list[str], values: list[torch.Tensor]) -> list[fx.Node]:
-    """Append placeholders (after the existing ones, in order) with fake `val` metadata."""
+def add_placeholders(graph: fx.Graph, names: list[str]) -> list[fx.Node]:
+    """Append placeholders after the existing ones, in order, each named uniquely from `names`."""
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    fake_mode = detect_fake_mode(graph)
+    taken = {n.target for n in placeholders}
     nodes = []
     anchor = placeholders[-1] if placeholders else None
-    for name, value in zip(names, values):
+    for name in names:
+        unique, suffix = name, 1
+        while unique in taken:
+            unique, suffix = f"{name}_{suffix}", suffix + 1
+        taken.add(unique)
         if anchor is None:
-            with graph.inserting_before(next(iter(graph.nodes))):
-                node = graph.placeholder(name)
+            with graph.inserting_before(next(iter(graph.nodes), None)):
+                node = graph.placeholder(unique)
         else:
             with graph.inserting_after(anchor):
-                node = graph.placeholder(name)
-        if fake_mode is not None:
-            fake = fake_mode.from_tensor(value, static_shapes=True)
-            node.meta["val"] = node.meta["example_value"] = fake
+                node = graph.placeholder(unique)
         nodes.append(node)
         anchor = node
     return nodes
+
+
+def set_placeholder_values(graph: fx.Graph, nodes: list[fx.Node], values: list[torch.Tensor]) -> None:
+    """Give placeholders fake `val` metadata for these values (static shapes), as Dynamo's have."""
+    fake_mode = detect_fake_mode(graph)
+    if fake_mode is None:
+        return
+    for node, value in zip(nodes, values, strict=True):
+        node.meta["val"] = node.meta["example_value"] = fake_mode.from_tensor(value, static_shapes=True)
 
 
 def detect_fake_mode(graph: fx.Graph):
@@ -91,6 +106,20 @@ def mutated(node: fx.Node) -> fx.Node | None:
     else:
         name = None
     return node.args[0] if name and name.endswith("_") and not name.startswith("_") else None
+
+
+def mutated_placeholders(graph: fx.Graph) -> set[fx.Node]:
+    """Placeholders an in-place op writes into, directly or through views (`cache[:, i] = v`)."""
+    found = set()
+    for node in graph.nodes:
+        target = mutated(node)
+        for _ in range(16):  # views of views: follow the base operand
+            if not isinstance(target, fx.Node) or target.op == "placeholder":
+                break
+            target = target.args[0] if target.args else None
+        if isinstance(target, fx.Node) and target.op == "placeholder":
+            found.add(target)
+    return found
 
 
 def eliminate_dead_code(graph: fx.Graph) -> None:

@@ -10,7 +10,6 @@ import torch
 
 from ..quant_registry.spec import QuantizationConfig
 from .quantize import PassResult, quantize_graph
-from .verify import verify_sites
 
 PACKAGE = Path(__file__).resolve().parents[1]
 
@@ -26,18 +25,23 @@ def source_hash() -> str:
 
 
 class QuantizePass:
-    """Find sites, rewrite a copy of the graph, verify it. `uuid()` covers source and config."""
+    """Find sites, rewrite a copy of the graph, quantize and verify. `uuid()` covers source and config."""
 
-    def __init__(self, config: QuantizationConfig, verify: bool = True):
+    def __init__(self, config: QuantizationConfig, verify=True, keep_original_weights=False, requantize=False):
         self.config = config
         self.verify = verify
+        self.keep_original_weights = keep_original_weights
+        self.requantize = requantize
+        self.verified: set[tuple] = set()  # kinds of site already verified: a recompile doesn't redo them
 
     def uuid(self) -> str:
-        token = f"{source_hash()}|{self.config.to_json()}|verify={self.verify}"
+        flags = (self.verify, self.keep_original_weights, self.requantize)
+        token = f"{source_hash()}|{self.config.to_json()}|flags={flags}"
         return hashlib.sha256(token.encode()).hexdigest()
 
     def __call__(self, gm, example_inputs, plan_only: bool = False) -> PassResult:
-        result = quantize_graph(gm, example_inputs, self.config, torch.is_grad_enabled(), plan_only)
-        if self.verify and result.sites:
-            verify_sites(result.sites, example_inputs)
-        return result
+        grad = torch.is_grad_enabled()
+        return quantize_graph(
+            gm, example_inputs, self.config, grad, plan_only,
+            self.verify, self.keep_original_weights, self.verified, self.requantize,
+        )  # fmt: skip

@@ -1,8 +1,14 @@
 """The quantize pass: find sites, resolve the config, ask the oracle, rewrite a copy of the graph.
 
-Quantized weights become new graph inputs (placeholders appended after Dynamo's); each
-`Binding` tells the runtime wrapper how to produce them from the parameters passed on each call,
-through the weight cache. Nothing quantized is baked into the graph.
+Quantized weights become new graph inputs (placeholders appended after Dynamo's); each `Binding`
+tells the runtime wrapper how to produce them from the parameters passed on each call, through
+the weight cache. Nothing quantized is baked into the graph. Order of work (docs/design.md):
+
+1. decide every site (plan), 2. rewrite them all (placeholders without values yet), 3. quantize
+one site at a time in the order the graph runs them, verifying each kind of site on the
+activations that really reach it (build.py runs Dynamo's graph alongside), and release each
+original parameter once the last site that reads it is done: peak memory stays near the
+unquantized model plus one layer.
 """
 
 from __future__ import annotations
@@ -16,16 +22,16 @@ import torch.fx as fx
 
 from ..kernels.oracle import Capability, NoKernelError, select
 from ..patterns.linear import find_linear_sites
-from ..patterns.site import Site
+from ..patterns.site import ParamRef, Site, param_refs
 from ..plan import Plan, PlanRow
+from ..quant_registry.formats import dequantize, quantize
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantizationConfig, QuantSpec
 from ..weight_cache import WEIGHTS
-from .fx_utils import add_placeholders, copy_graph_module, eliminate_dead_code
+from .build import build_and_verify
+from .fx_utils import add_placeholders, copy_graph, eliminate_dead_code, set_placeholder_values
 
 logger = logging.getLogger("quantpass")
-
-PROGRESS_MIN_SITES = 200  # show a progress bar when quantizing at least this many sites
 
 
 @dataclass
@@ -36,15 +42,20 @@ class QuantizedSite:
     device_type: str
     row: PlanRow
     binding: Binding | None = None
+    nodes: list[fx.Node] = field(default_factory=list)  # its weight placeholders
+    probe: tuple[list[fx.Node], fx.Node] | None = None  # (input nodes, output node) in Dynamo's graph
 
 
-@dataclass
+@dataclass(eq=False)
 class Binding:
-    """How the runtime wrapper builds one site's extra graph inputs from the call's parameters."""
+    """How the runtime wrapper builds one site's extra graph inputs from the call's parameters.
+    Sites that read the same parameters the same way (a linear called twice) share one."""
 
     param_indices: tuple[int, ...]
     token: int  # WEIGHTS.intern((site type, spec pair, backend, layout)): what is built
-    build: Callable[[list[torch.Tensor]], tuple[list[QTensor], list[torch.Tensor]]]
+    build: Callable[[list[torch.Tensor]], tuple[list[QTensor], list[torch.Tensor]]] | None = None
+    nodes: list[fx.Node] = field(default_factory=list)  # its placeholders in the rewritten graph
+    release: tuple[bool, ...] = ()  # per parameter: its storage may be freed once quantized
 
     def tensors(self, args) -> list[torch.Tensor]:
         return WEIGHTS.get([args[i] for i in self.param_indices], self.token, self.build)[1]
@@ -59,6 +70,8 @@ class PassResult:
     plan: Plan
     sites: list[QuantizedSite] = field(default_factory=list)
     extra_inputs: list[torch.Tensor] = field(default_factory=list)
+    bindings: list[Binding] = field(default_factory=list)  # one per distinct set of extra inputs, in order
+    raw_params: list[int] = field(default_factory=list)  # parameter inputs the graph still reads unquantized
 
 
 def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRow]]:
@@ -76,7 +89,25 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
     return [*moe_sites, *find_linear_sites(graph, example_inputs, claimed, expert_linears)], rows
 
 
-def plan_sites(sites, example_inputs, config: QuantizationConfig, grad_enabled: bool) -> list[QuantizedSite | PlanRow]:
+def _value(node) -> torch.Tensor | None:
+    value = node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def declared_spec(site: Site, example_inputs):
+    """(QuantSpec, source) the site's weights were declared with (a pre-quantized checkpoint), or None."""
+    found = {WEIGHTS.declared(example_inputs[p.index]) for p in site.params}
+    if len(found) > 1:
+        specs = ", ".join(sorted(str(None if f is None else f[0].name()) for f in found))
+        raise ValueError(
+            f"layer {site.fqn!r}: its weights come quantized differently ({specs}); quantpass can't mix them"
+        )
+    return found.pop() if found else None
+
+
+def plan_sites(
+    sites, example_inputs, config: QuantizationConfig, grad_enabled: bool, requantize: bool = False
+) -> list[QuantizedSite | PlanRow]:
     """Decide every site: a QuantizedSite, or a PlanRow saying why it is left alone."""
     decided = []
     for site in sites:
@@ -85,18 +116,20 @@ def plan_sites(sites, example_inputs, config: QuantizationConfig, grad_enabled: 
         if site.skip_reason:
             decided.append(left(site.skip_reason))
             continue
-        spec, why = config.resolve_with_reason(site.fqn, config_kind)
+        declared = declared_spec(site, example_inputs)
+        spec, why = config.resolve_with_reason(site.fqn, config_kind, *(declared or ()), requantize=requantize)
         default_ignore = getattr(site, "default_ignore", None)
-        if spec is not None and default_ignore and not config.matches_target(site.fqn):
+        if spec is not None and default_ignore and not config.matches_target(site.fqn) and declared is None:
             decided.append(left(f"{default_ignore}: left alone by default (name it in targets to quantize)"))
             continue
         if spec is None:
             decided.append(left(why))
             continue
-        values = [example_inputs[p.index] for p in site.params]
-        if grad_enabled and any(v.requires_grad for v in values):
-            decided.append(left("weight requires grad with grad mode on: quantpass is for inference (use no_grad)"))
+        activation = _value(site.input_nodes[0])
+        if activation is not None and not activation.is_floating_point():
+            decided.append(left(f"its input is {activation.dtype}, not floating point (eager raises on it too)"))
             continue
+        values = [example_inputs[p.index] for p in site.params]
         capability = Capability.detect(values[0].device)
         try:
             selection = select(
@@ -105,6 +138,8 @@ def plan_sites(sites, example_inputs, config: QuantizationConfig, grad_enabled: 
         except NoKernelError as e:
             raise NoKernelError(f"layer {site.fqn!r}: {e}") from None
         notes = "".join(f"; {note}" for note in site.notes)
+        if grad_enabled and any(v.requires_grad for v in values):
+            notes += "; weight requires grad: inputs get gradients through the dequantized weight, the weight none"
         row = PlanRow(
             site.fqn,
             site.kind,
@@ -119,59 +154,111 @@ def plan_sites(sites, example_inputs, config: QuantizationConfig, grad_enabled: 
     return decided
 
 
+def quantized_weight(param: torch.Tensor, ref: ParamRef, spec: QuantSpec) -> QTensor:
+    """`param` quantized with `spec.weight` in `[..., N, K]` layout: its kept canonical value when it
+    has one (a released parameter, a checkpoint's tensors), else quantized from its data."""
+    key = (spec.weight, ref.transposed)
+    found = WEIGHTS.canonical(param, key)
+    if found is not None:
+        return found
+    if WEIGHTS.is_released(param):  # only another format's value is left: go through its dequantized values
+        (other_key, transposed), other = next(iter(WEIGHTS.record(param).canonical.items()))
+        logger.warning(
+            "quantpass: %s was released after quantizing to %s; quantizing it to %s from those dequantized values",
+            ref.name, other_key, spec.weight,
+        )  # fmt: skip
+        dense = dequantize(other)
+        dense = dense if transposed == ref.transposed else dense.transpose(-2, -1)
+        return quantize(dense.contiguous(), spec.weight, name=ref.name)
+    return quantize(ref.matrix(param.detach()).contiguous(), spec.weight, name=ref.name)
+
+
+def quantize_site(site: Site, params: list[torch.Tensor], spec: QuantSpec, backend: str) -> list[QTensor]:
+    """A site's weights as its rewritten op takes them: each parameter quantized, then prepared."""
+    return site.prepare([quantized_weight(p, ref, spec) for p, ref in zip(params, site.params)], spec, backend)
+
+
 def _binding(q: QuantizedSite) -> Binding:
     site, spec, backend = q.site, q.spec, q.backend
+    token = (type(site).__name__, spec.pair, backend, tuple(p.transposed for p in site.params), site.signature())
+    binding = Binding(tuple(p.index for p in site.params), WEIGHTS.intern(token))
 
-    def build(values):
-        qtensors = site.quantize(values, spec, backend)
+    def build(params):
+        weights = [quantized_weight(p, ref, spec) for p, ref in zip(params, site.params)]
+        qtensors = site.prepare(weights, spec, backend)
+        for param, ref, weight, release in zip(params, site.params, weights, binding.release):
+            if release:  # the source for restoring and for other layouts once its storage is freed
+                WEIGHTS.set_canonical(param, (spec.weight, ref.transposed), weight)
         return qtensors, [t for qt in qtensors for t in qt.tensors() if t is not None]
 
-    token = (type(site).__name__, spec.pair, backend, tuple(p.transposed for p in site.params), site.signature())
-    return Binding(tuple(p.index for p in site.params), WEIGHTS.intern(token), build)
+    binding.build = build
+    return binding
+
+
+def _rewrite(graph: fx.Graph, chosen: list[QuantizedSite], differentiable: bool) -> list[Binding]:
+    """Replace every chosen site by its quantized op; weights arrive through new placeholders."""
+    bindings: dict[tuple, Binding] = {}
+    replaced: dict[fx.Node, fx.Node] = {}
+    for q in chosen:
+        binding = _binding(q)
+        binding = bindings.setdefault((binding.param_indices, binding.token), binding)
+        if not binding.nodes:
+            slots = 3 if q.spec.weight.scale2 is not None else 2  # data, scale (, scale2)
+            names = [f"quantpass_{q.site.fqn.replace('.', '_')}_{i}" for i in range(q.site.weight_count * slots)]
+            binding.nodes = add_placeholders(graph, names)
+        q.binding = binding
+        nodes = iter(binding.nodes)
+        weights = [[next(nodes), next(nodes), next(nodes) if slots == 3 else None] for _ in range(q.site.weight_count)]
+        q.site.remap(replaced)
+        old = q.site.output_node
+        replaced[old] = q.site.rewrite(graph, weights, q.spec, q.backend, q.device_type, differentiable)
+    return list(bindings.values())
+
+
+def _raw_params(graph: fx.Graph, example_inputs) -> list[int]:
+    """Indices of the parameter inputs the graph reads as they are (not through a quantized site)."""
+    return [ref.index for node, ref in param_refs(graph, example_inputs).items() if node.users]
 
 
 def quantize_graph(
-    gm: fx.GraphModule, example_inputs, config: QuantizationConfig, grad_enabled: bool, plan_only: bool = False
+    gm: fx.GraphModule,
+    example_inputs,
+    config: QuantizationConfig,
+    grad_enabled: bool,
+    plan_only: bool = False,
+    verify: bool = True,
+    keep_original_weights: bool = False,
+    verified: set | None = None,
+    requantize: bool = False,
 ) -> PassResult:
-    new_gm = copy_graph_module(gm)  # sites are found on (and rewrite) the copy
+    new_gm, copies = copy_graph(gm)  # sites are found on (and rewrite) the copy
     sites, rows = find_sites(new_gm.graph, example_inputs)
-    decided = plan_sites(sites, example_inputs, config, grad_enabled)
+    decided = plan_sites(sites, example_inputs, config, grad_enabled, requantize)
     plan = Plan(rows + [d.row if isinstance(d, QuantizedSite) else d for d in decided])
     chosen = [d for d in decided if isinstance(d, QuantizedSite)]
     if plan_only or not chosen:
-        return PassResult(None, plan)
-    extra_inputs = []
-    progress = _progress(len(chosen))
-    for q in chosen:
-        q.binding = _binding(q)
-        tensors = q.binding.tensors(example_inputs)
-        qtensors = q.binding.qtensors(example_inputs)
-        q.row.bytes = sum(qt.nbytes for qt in qtensors)
-        q.row.original_bytes = sum(example_inputs[p.index].nbytes for p in q.site.params)
-        names = [f"quantpass_{q.site.fqn.replace('.', '_')}_{i}" for i in range(len(tensors))]
-        nodes = iter(add_placeholders(new_gm.graph, names, tensors))
-        weights = [[next(nodes), next(nodes), next(nodes) if qt.scale2 is not None else None] for qt in qtensors]
-        q.site.rewrite(new_gm.graph, weights, q.spec, q.backend, q.device_type)
-        extra_inputs.extend(tensors)
-        progress.update()
-    progress.close()
+        return PassResult(None, plan, raw_params=_raw_params(gm.graph, example_inputs))
+    originals = {copy: original for original, copy in copies.items()}
+    for q in chosen:  # where verify finds each site's activations in Dynamo's graph
+        q.probe = ([originals[n] for n in q.site.input_nodes], originals[q.site.output_node])
+    bindings = _rewrite(new_gm.graph, chosen, differentiable=grad_enabled)
     eliminate_dead_code(new_gm.graph)
+    raw = set(_raw_params(new_gm.graph, example_inputs))
+    for binding in bindings:
+        binding.release = tuple(not keep_original_weights and i not in raw for i in binding.param_indices)
+    build_and_verify(gm, example_inputs, chosen, verify, verified)
+    extra_inputs = []
+    for binding in bindings:
+        tensors = binding.tensors(example_inputs)
+        set_placeholder_values(new_gm.graph, binding.nodes, tensors)
+        extra_inputs.extend(tensors)
+    for q in chosen:
+        q.row.bytes = sum(qt.nbytes for qt in q.binding.qtensors(example_inputs))
+        q.row.original_bytes = sum(_nbytes(example_inputs[p.index]) for p in q.site.params)
     new_gm.graph.lint()
     new_gm.recompile()
-    return PassResult(new_gm, plan, chosen, extra_inputs)
+    return PassResult(new_gm, plan, chosen, extra_inputs, bindings, sorted(raw))
 
 
-class _NoProgress:
-    def update(self):
-        pass
-
-    def close(self):
-        pass
-
-
-def _progress(total: int):
-    if total < PROGRESS_MIN_SITES:
-        return _NoProgress()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, desc="quantpass: quantizing weights", unit="site")
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()  # not the storage's: a released one holds none

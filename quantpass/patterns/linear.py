@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 from ..kernels import ops
 from ..kernels.oracle import Problem
-from ..quant_registry.formats import quantize
 from .site import ParamRef, Site, param_refs
 
 LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
@@ -37,20 +36,27 @@ class LinearSite(Site):
     extra: dict = field(default_factory=dict)
 
     @property
+    def output_node(self) -> fx.Node:
+        return self.node
+
+    @property
     def weight(self) -> ParamRef:
         return self.params[0]
 
-    def quantize(self, values, spec, backend):
-        weight = quantize(self.weight.matrix(values[0]), spec.weight, name=self.weight.name)
-        return [ops.prepare_weight(backend, "linear", weight)]
+    @property
+    def input_nodes(self) -> list[fx.Node]:
+        return [self.x] if self.bias is None else [self.x, self.bias]
+
+    def prepare(self, weights, spec, backend):
+        return [ops.prepare_weight(backend, "linear", weights[0])]
 
     def _op_args(self, x, tensors, bias, spec, backend):
         data, scale, scale2 = tensors
         key, act = ops.key_arg(spec.weight), ops.key_arg(spec.activation)
         return (x, data, scale, scale2, bias, key, act, backend, self.problem.n)
 
-    def rewrite(self, graph, weights, spec, backend, device_type):
-        target = ops.linear_call(backend, device_type)
+    def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
+        target = ops.linear_call(backend, device_type, differentiable)
         with graph.inserting_before(self.node):
             new = graph.call_function(target, self._op_args(self.x, weights[0], self.bias, spec, backend))
         new.meta.update(self.node.meta)
@@ -69,7 +75,8 @@ class LinearSite(Site):
 
     def run_quantized(self, inputs, weights, spec, backend, device_type):
         target = ops.linear_call(backend, device_type)
-        return target(*self._op_args(inputs[0], weights[0].tensors(), None, spec, backend))
+        bias = inputs[1] if len(inputs) > 1 else None  # real activations come with the layer's bias
+        return target(*self._op_args(inputs[0], weights[0].tensors(), bias, spec, backend))
 
 
 def _strip_transpose(node) -> tuple[fx.Node, bool]:

@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from ..kernels import ops
 from ..kernels.oracle import Problem
-from ..quant_registry.formats import quantize
+from ..quant_registry.formats import concat_rows
 from .moe_forms import hidden_root, ids_root, prove
 from .moe_modulelist import find_module_list_experts
 from .moe_region import collect_region, erase_dead, extract, op_name, shape, value
@@ -44,6 +44,7 @@ class MoESite(Site):
     separate parameters (gather-einsum style); `quantize` returns [w13, w2] either way."""
 
     kind = "moe"
+    weight_count = 2  # w13, w2
     hidden: fx.Node | None = None  # [T, H] tokens entering the experts
     topk_weights: fx.Node | None = None  # [T, k]
     topk_ids: fx.Node | None = None  # [T, k]
@@ -65,16 +66,21 @@ class MoESite(Site):
         """The example biases (weakly held: the graph reads the live ones from its placeholders)."""
         return [None if ref is None else ref().to(device) for ref in self.bias_refs]
 
+    @property
+    def output_node(self) -> fx.Node:
+        return self.output
+
     def signature(self) -> tuple:
         return (self.gate_up_layout, len(self.params))
 
-    def quantize(self, values, spec, backend):
-        matrices = [ref.matrix(v) for ref, v in zip(self.params, values)]  # each [E, N, K]
-        w13 = matrices[0] if len(matrices) == 2 else torch.cat(matrices[:2], dim=-2)  # [E, 2I, H] gate rows first
+    @property
+    def input_nodes(self) -> list[fx.Node]:
+        return [self.hidden, self.topk_weights, self.topk_ids]
+
+    def prepare(self, weights, spec, backend):
         names = " + ".join(ref.name for ref in self.params[:-1])
-        w13 = quantize(w13.contiguous(), spec.weight, name=names)
-        w2 = quantize(matrices[-1].contiguous(), spec.weight, name=self.params[-1].name)  # [E, H, I]
-        return list(ops.prepare_moe_weights(backend, w13, w2, self.gate_up_layout))
+        w13 = weights[0] if len(weights) == 2 else concat_rows(weights[:2], names)  # [E, 2I, H] gate rows first
+        return list(ops.prepare_moe_weights(backend, w13, weights[-1], self.gate_up_layout))  # w2 [E, H, I]
 
     def _op_args(self, hidden, topk_weights, topk_ids, weights, b13, b2, spec, backend):
         (w13, w13_scale, w13_scale2), (w2, w2_scale, w2_scale2) = weights
@@ -86,8 +92,8 @@ class MoESite(Site):
             self.problem.n, self.alpha, self.limit,
         )  # fmt: skip
 
-    def rewrite(self, graph, weights, spec, backend, device_type):
-        target = ops.moe_call(backend, device_type)
+    def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
+        target = ops.moe_call(backend, device_type, differentiable)
         args = self._op_args(self.hidden, self.topk_weights, self.topk_ids, weights, self.b13, self.b2, spec, backend)
         out_value, hidden_value = value(self.output), value(self.hidden)
         with graph.inserting_before(self.output):

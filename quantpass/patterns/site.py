@@ -2,9 +2,10 @@
 
 A `Site` is one layer found in a Dynamo graph (a linear, or the experts of an MoE layer). The pass
 is generic over sites: it resolves the config by `fqn`, asks the oracle with `kind`/`problem`,
-quantizes the parameters in `params` (through the weight cache, never baked into the graph), then
-calls `rewrite` with one placeholder per quantized tensor, and `verify` compares
-`run_original` with `run_quantized` on a sample input.
+calls `rewrite` with one placeholder per quantized tensor, quantizes each parameter in `params` and
+lets `prepare` lay them out for the backend (through the weight cache, never baked into the graph),
+and `verify` compares the site's original output with `run_quantized` on the activations that reach
+it (`input_nodes`), or `run_original` on `sample_inputs` where those can't be had.
 """
 
 from __future__ import annotations
@@ -44,24 +45,52 @@ class ParamRef:
 @dataclass
 class Site:
     kind: ClassVar[str]
+    weight_count: ClassVar[int] = 1  # QTensors the rewritten op takes
     fqn: str
     params: list[ParamRef]
     problem: Problem
     skip_reason: str | None = None  # found, but left alone: why (shown in the plan)
     notes: list[str] = field(default_factory=list)  # extra plan notes (e.g. "bias fused")
 
+    @property
+    def output_node(self) -> fx.Node:
+        """The node whose value `rewrite` replaces (its users then read the quantized op)."""
+        raise NotImplementedError
+
+    def remap(self, replaced: dict[fx.Node, fx.Node]) -> None:
+        """Point this site's node fields at the nodes that replaced them: an earlier site's rewrite
+        may have erased a node this site reads (`nn.Sequential(Linear, Linear)`: the second
+        linear's input is the first one's output)."""
+        for name, value in vars(self).items():
+            if isinstance(value, fx.Node) and value in replaced:
+                setattr(self, name, replaced[value])
+
     def signature(self) -> tuple:
         """Anything besides (spec, backend, transposes) that changes `quantize`'s result."""
         return ()
 
-    def quantize(self, values: list[torch.Tensor], spec: QuantSpec, backend: str) -> list[QTensor]:
-        """The parameters' values -> backend-prepared QTensors (cached by the caller)."""
+    def prepare(self, weights: list[QTensor], spec: QuantSpec, backend: str) -> list[QTensor]:
+        """Each parameter quantized with `spec.weight` (`[..., N, K]`, formats.py's layout) -> the
+        `weight_count` QTensors the rewritten op takes, in `backend`'s layout (cached by the caller)."""
+        raise NotImplementedError
+
+    @property
+    def input_nodes(self) -> list[fx.Node]:
+        """The activations the rewritten op reads (verify feeds it their real values)."""
         raise NotImplementedError
 
     def rewrite(
-        self, graph: fx.Graph, weights: list[list[fx.Node | None]], spec: QuantSpec, backend: str, device_type: str
-    ):
-        """Replace this site's computation; `weights[i]` = [data, scale, scale2] nodes of params[i]."""
+        self,
+        graph: fx.Graph,
+        weights: list[list[fx.Node | None]],
+        spec: QuantSpec,
+        backend: str,
+        device_type: str,
+        differentiable: bool = False,
+    ) -> fx.Node:
+        """Replace this site's computation; `weights[i]` = [data, scale, scale2] nodes of the i-th
+        QTensor `prepare` returns. `differentiable`: grad mode is on (use ops with a backward).
+        Returns the node that now stands for `output_node`."""
         raise NotImplementedError
 
     def sample_inputs(self, like: torch.Tensor | None, device, dtype) -> list[torch.Tensor]:

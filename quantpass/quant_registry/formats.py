@@ -13,6 +13,7 @@ data keeps its true rows and a column count padded to the group, and `dequantize
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -88,6 +89,10 @@ def quantize(x: torch.Tensor, key: QuantKey, name: str = "tensor") -> QTensor:
     shape, dtype = x.shape, x.dtype
     if x.dim() == 1:
         x = x.unsqueeze(0)
+    if x.shape[-2] == 0:  # a call with no tokens: one zero row's layout, cut to no rows
+        one = quantize(x.new_zeros((*x.shape[:-2], 1, x.shape[-1])), key, name)
+        scale = one.scale if key.group_shape.row == -1 else one.scale[..., :0, :]
+        return QTensor(one.data[..., :0, :], scale, one.scale2, key, shape, dtype)
     if key.static and not bool(torch.isfinite(x).all()):
         raise ValueError(f"cannot quantize {name} with {key}: it contains NaN or Inf")
     element = ELEMENTS[key.dtype]
@@ -141,6 +146,22 @@ def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     rows, cols = values.shape[-2], qt.shape[-1]
     values = values * expand_scale(qt, rows, values.shape[-1])
     return values[..., :cols].reshape(qt.shape).to(dtype or qt.dtype)
+
+
+def concat_rows(parts: list[QTensor], name: str = "tensor") -> QTensor:
+    """QTensors of one key joined along rows (`[..., R_i, C]` -> `[..., sum R_i, C]`), e.g. an MoE's
+    separate gate and up projections into one w13. Scales stack as they are when every row group is
+    whole; a per-tensor or second-level scale, or a row group that straddles two parts, can't be
+    shared that way: those parts are quantized again together from their dequantized values."""
+    key = parts[0].key
+    group_rows = key.group_shape.row
+    whole = key.scale2 is None and group_rows != -1 and all(p.shape[-2] % group_rows == 0 for p in parts[:-1])
+    if not whole:
+        joined = quantize(torch.cat([dequantize(p, torch.float32) for p in parts], dim=-2), key, name)
+        return dataclasses.replace(joined, dtype=parts[0].dtype)
+    shape = torch.Size((*parts[0].shape[:-2], sum(p.shape[-2] for p in parts), parts[0].shape[-1]))
+    data = torch.cat([p.data for p in parts], dim=-2)
+    return QTensor(data, torch.cat([p.scale for p in parts], dim=-2), None, key, shape, parts[0].dtype)
 
 
 def expand_scale(qt: QTensor, rows: int, cols: int) -> torch.Tensor:

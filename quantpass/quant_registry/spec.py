@@ -240,8 +240,32 @@ class QuantizationConfig:
     def resolve(self, fqn: str, kind: str) -> QuantSpec | None:
         return self.resolve_with_reason(fqn, kind)[0]
 
-    def resolve_with_reason(self, fqn: str, kind: str) -> tuple[QuantSpec | None, str]:
-        """The spec for one layer and where it came from. Ignore wins over targets."""
+    def resolve_with_reason(
+        self, fqn: str, kind: str, declared: QuantSpec | None = None, source: str = "checkpoint", requantize=False
+    ) -> tuple[QuantSpec | None, str]:
+        """The spec for one layer and where it came from. Ignore wins over targets.
+
+        `declared`: the spec the layer's weights already have (a pre-quantized checkpoint: `source`).
+        It is the default; the config may change its activation (the user's wins), not its weight
+        format, unless `requantize` (from the dequantized weights)."""
+        if declared is None:
+            return self._resolve(fqn, kind)
+        if any(pattern_matches(pattern, fqn) for pattern in self.ignore):
+            return self._resolve(fqn, kind)
+        spec, reason = self._resolve(fqn, kind, allow_activation_only=True)
+        if spec is None:
+            return declared, source
+        if "weight" in spec.fields_set and spec.weight != declared.weight:
+            if requantize:
+                return spec, f"{reason} (re-quantized from the {source} weights)"
+            raise ValueError(
+                f"layer {fqn!r}: the {source} weights are {declared.weight}; {reason} asks for {spec.weight}: "
+                "drop it, or pass requantize=True to quantize again from the dequantized weights"
+            )
+        merged = declared.merged_with(spec)
+        return merged, source if merged == declared else f"{source}, activation from {reason}"
+
+    def _resolve(self, fqn: str, kind: str, allow_activation_only: bool = False) -> tuple[QuantSpec | None, str]:
         if kind not in KINDS:
             raise _invalid("kind", kind, KINDS)
         for pattern in self.ignore:
@@ -259,7 +283,7 @@ class QuantizationConfig:
             spec, reason = self.targets[pattern], f"targets[{pattern!r}]"
         else:
             spec, reason = getattr(self, kind), f"config.{kind}"
-        if spec is not None and spec.weight is None:
+        if spec is not None and spec.weight is None and not allow_activation_only:
             if spec.activation is not None:
                 raise ValueError(f"{reason} sets activation {spec.activation} but no weight format for {fqn!r}")
             spec = None
