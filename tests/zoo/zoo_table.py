@@ -17,7 +17,7 @@ INTRO = """\
 # Model support
 
 <!-- Generated: do not edit. `PYTHONPATH=$PWD python tests/zoo/generate.py` rewrites this file (the
-whole matrix, about 10 minutes on 2 cores; name architectures to redo only their rows). The zoo tests
+whole matrix: about 6 CPU-minutes; name architectures to redo only their rows). The zoo tests
 fail when a cell they run disagrees with its row here. -->
 
 Each cell compiles a tiny random-config model (seeded, 1-2 layers, hidden 32-64, nothing downloaded;
