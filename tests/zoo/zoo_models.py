@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -46,6 +46,14 @@ ROUTER_SCALE = 4.0
 GRANITE_MULTIPLIERS = dict(attention_multiplier=1 / 16)
 
 
+def _first_tensor(out) -> torch.Tensor:
+    if isinstance(out, torch.Tensor):
+        return out
+    if isinstance(out, tuple):
+        return _first_tensor(out[0])
+    return out[0]  # a ModelOutput: its first non-None field (logits, last_hidden_state)
+
+
 @dataclass(frozen=True)
 class Arch:
     """One zoo entry: `build()` returns the model in eval mode, `inputs()` its keyword arguments."""
@@ -54,17 +62,8 @@ class Arch:
     family: str
     build: Callable[[], nn.Module]
     inputs: Callable[[], dict]
-    output: Callable[[object], torch.Tensor] = field(default=lambda out: _first_tensor(out))
+    output: Callable[[object], torch.Tensor] = _first_tensor  # the tensor compared with eager's
     moe: bool = False
-    description: str = ""
-
-
-def _first_tensor(out) -> torch.Tensor:
-    if isinstance(out, torch.Tensor):
-        return out
-    if isinstance(out, tuple):
-        return _first_tensor(out[0])
-    return out[0]  # a ModelOutput: its first non-None field (logits, last_hidden_state)
 
 
 def token_ids(batch: int = BATCH, length: int = LENGTH, seed: int = 1) -> torch.Tensor:
@@ -90,12 +89,10 @@ def pixels(size: int = 32) -> dict:
     return {"pixel_values": torch.randn(BATCH, 3, size, size, generator=torch.Generator().manual_seed(3))}
 
 
-def _hf(model_class, config_class, dtype=torch.float32, experts: str | None = None, **config):
+def _hf(model_class, config_class, **config):
     def build():
         torch.manual_seed(0)
-        kwargs = {} if experts is None else {"experts_implementation": experts}
-        model = model_class.from_config(config_class(**config), **kwargs)
-        return model.to(dtype).eval()
+        return model_class.from_config(config_class(**config)).eval()
 
     return build
 
@@ -199,7 +196,7 @@ ARCHS = [
     Arch("mistral", "decoder", _hf(AUTO_LM, tf.MistralConfig, **LLM, **IDS), ids),
     Arch("qwen2", "decoder", _hf(AUTO_LM, tf.Qwen2Config, **LLM, **IDS), ids),
     Arch("qwen3", "decoder", _hf(AUTO_LM, tf.Qwen3Config, **LLM, head_dim=16, **IDS), ids),
-    Arch("gemma", "decoder", _hf(AUTO_LM, tf.GemmaConfig, **LLM, head_dim=16, **IDS), ids, description="tied"),
+    Arch("gemma", "decoder", _hf(AUTO_LM, tf.GemmaConfig, **LLM, head_dim=16, **IDS), ids),
     Arch("gemma2", "decoder", _hf(AUTO_LM, tf.Gemma2Config, **LLM, head_dim=16, **IDS), ids),
     Arch("granite", "decoder", _hf(AUTO_LM, tf.GraniteConfig, **LLM, **IDS, **GRANITE_MULTIPLIERS), ids),
     Arch("olmo2", "decoder", _hf(AUTO_LM, tf.Olmo2Config, **LLM, **IDS), ids),
