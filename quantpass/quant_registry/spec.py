@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from .keys import (
     KEYS,
+    STATIC_ACTIVATION_KEYS,
     QuantKey,
     kFp8Dynamic128Sym,
     kFp8DynamicTensorSym,
@@ -87,7 +88,8 @@ def quant_key(name: str | QuantKey, role: str = "weight") -> QuantKey:
     else:
         valid = [n for n, keys in ROLE_NAMES.items() if keys[ROLES.index(role)] is not None]
         raise _invalid(f"{role} quantization", name, [*valid, *KEYS])
-    if key.static != (role == "weight"):
+    # static activation keys (a checkpoint's calibrated `input_scale`) are named by their constants
+    if key.static != (role == "weight") and not (role == "activation" and key in STATIC_ACTIVATION_KEYS):
         need = "static" if role == "weight" else "dynamic"
         raise ValueError(f"invalid {role} key {key}: a {role} key must have {need} scales")
     return key
