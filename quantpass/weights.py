@@ -87,7 +87,9 @@ def state_dict(model: torch.nn.Module, quantized: bool = False) -> dict[str, tor
     `quantized=True`, each weight quantpass holds quantized is its `QTensor` instead."""
     model = _root(model)
     result = {}
+    params = dict(model.named_parameters(remove_duplicate=False))  # state_dict's hooks give dense copies
     for name, value in model.state_dict(keep_vars=True).items():
+        value = params.get(name, value)
         canonical = WEIGHTS.canonical_values(value) if quantized and isinstance(value, torch.Tensor) else {}
         if canonical:
             result[name] = next(iter(canonical.values()))
