@@ -60,6 +60,7 @@ LINEAR_CANDIDATES: dict[Pair, list[str]] = {
     # static activation scales (a pre-quantized checkpoint's input_scale): the reference backend only
     (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
     (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
+    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 
 MOE_CANDIDATES: dict[Pair, list[str]] = {
@@ -77,6 +78,7 @@ MOE_CANDIDATES: dict[Pair, list[str]] = {
     (kNvfp4Static,           None):                 ["triton", "reference"],
     (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
     (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
+    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 # fmt: on
 CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
