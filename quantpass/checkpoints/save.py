@@ -114,9 +114,9 @@ def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info) ->
 
 
 def _excluded(root: nn.Module, quantized: set[str], info) -> list[str]:
-    """Modules left unquantized: a loaded checkpoint's own list while it still holds, else every
-    linear, embedding and experts module that is not quantized."""
-    if info is not None and info.layout.exclude and not any(fqn in quantized for fqn in info.layout.exclude):
+    """Modules left unquantized: a loaded checkpoint's own list while the same layers are quantized,
+    else every linear, embedding and experts module that is not quantized."""
+    if info is not None and set(info.algos) == quantized:
         return list(info.layout.exclude)
     return [
         fqn
