@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -280,7 +281,7 @@ def test_legacy_w4a16_input_scale_is_dropped_with_a_deprecation_warning(checkpoi
     legacy.mkdir()
     shards.write(str(legacy / "model.safetensors"), tensors)
     for file in ("config.json", "hf_quant_config.json"):
-        (legacy / file).write_text(open(os.path.join(path, file)).read())
+        shutil.copy(os.path.join(path, file), legacy / file)
     with pytest.warns(DeprecationWarning, match="W4A16_NVFP4 checkpoint has an input_scale"):
         model = qp.from_pretrained(legacy)
     logits, plan = run(model)
