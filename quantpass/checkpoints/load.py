@@ -16,6 +16,8 @@ computed as usual), then filled from the safetensors shards one tensor at a time
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import json
 import logging
 import os
@@ -38,7 +40,7 @@ CONFIG_OPTIONS = ("linear", "moe", "targets", "ignore")
 # Per-expert checkpoint names of transformers' fused experts (gate, up, down): what transformers 5
 # and ModelOpt write for Qwen/DeepSeek/OLMoE-style experts, and Mixtral's names.
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-QUANTIZE_CHUNK = 1 << 22  # elements quantized at once on load: bounds the fp32 temporaries (~16 MiB)
+QUANTIZE_CHUNK = 1 << 14  # elements quantized at once on load: bounds the fp32 temporaries (64 KiB each)
 
 
 @dataclass
@@ -176,6 +178,8 @@ class _Loader:
             return None
         matrix = value.transpose(-2, -1) if transposed else value
         qt = _quantize_streaming(matrix, spec.weight, f"{fqn}.{name}")
+        del value, matrix
+        _release_freed_memory()
         return self._attach(module, name, old, qt, spec, f"quantized on load: {spec.name()}", transposed)
 
     def _attach(self, module, name, old, qt: QTensor, spec, source: str, transposed: bool):
@@ -284,6 +288,23 @@ class _Loader:
         return stack_experts(stacked)
 
 
+@functools.cache
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+
+
+def _release_freed_memory() -> None:
+    """Hand the heap's free pages back to the OS after each quantized weight: glibc keeps freed
+    temporaries below its (adaptive) mmap threshold and the holes between kept results resident,
+    which measured 51 MiB peak instead of 29 MiB loading a 31 MiB checkpoint as INT8 (83 vs 28 for INT4)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
 def _matrix(shape, transposed: bool) -> tuple[int, int]:
     """(N, K) of one expert's matrix from a fused parameter's shape."""
     return (shape[2], shape[1]) if transposed else (shape[1], shape[2])
@@ -307,18 +328,45 @@ def _is_router(model: nn.Module, fqn: str, module: nn.Module) -> bool:
 
 
 def _quantize_streaming(value: torch.Tensor, key, name: str) -> QTensor:
-    """Quantize a weight in row chunks (per expert for `[E, N, K]`) where the key's scales allow it,
-    so the fp32 temporaries stay near QUANTIZE_CHUNK elements instead of several times the layer."""
+    """`quantize(value, key)`, bit for bit, computed QUANTIZE_CHUNK elements at a time (per expert
+    for `[E, N, K]`) into preallocated outputs, so the fp32 temporaries stay near one chunk instead
+    of several times the weight. A scale that spans every row (per-tensor, NVFP4's global scale2)
+    comes out the same in every chunk because each chunk carries one extra row holding the
+    weight's absolute maximum (dropped afterwards)."""
     if value.dim() == 3:
         return stack_experts([_quantize_streaming(value[e], key, name) for e in range(value.shape[0])])
     rows, cols = value.shape
     group_rows = key.group_shape.row
-    if group_rows == -1 or key.scale2 is not None or rows * cols <= QUANTIZE_CHUNK:
+    if rows * cols <= QUANTIZE_CHUNK or (group_rows not in (-1, 1) and rows % group_rows and rows < group_rows):
         return quantize(value, key, name)
-    chunk = max(group_rows, (QUANTIZE_CHUNK // cols) // group_rows * group_rows)
-    parts = [quantize(value[start : start + chunk], key, name) for start in range(0, rows, chunk)]
-    data = torch.cat([p.data for p in parts], dim=-2)
-    return QTensor(data, torch.cat([p.scale for p in parts], dim=-2), None, key, value.shape, value.dtype)
+    whole_rows = group_rows == -1 or key.scale2 is not None
+    step = max(1, QUANTIZE_CHUNK // cols)
+    step = step if group_rows in (-1, 1) else max(group_rows, step // group_rows * group_rows)
+    amax_row = None
+    if whole_rows:
+        amax_row = value.new_zeros(1, cols)
+        amax_row[0, 0] = max(value[s : s + step].abs().amax() for s in range(0, rows, step))
+    first = quantize(_chunk(value, 0, step, amax_row), key, name)
+    data = first.data.new_empty((rows, first.data.shape[-1]))
+    scale = (
+        first.scale
+        if group_rows == -1
+        else first.scale.new_empty((-(-rows // max(group_rows, 1)), first.scale.shape[-1]))
+    )
+    for start in range(0, rows, step):
+        part = first if start == 0 else quantize(_chunk(value, start, step, amax_row), key, name)
+        stop = min(start + step, rows)
+        data[start:stop] = part.data[: stop - start]
+        if group_rows != -1:
+            size = -(-(stop - start) // max(group_rows, 1))
+            scale[start // max(group_rows, 1) : start // max(group_rows, 1) + size] = part.scale[:size]
+        del part
+    return QTensor(data, scale, first.scale2, key, value.shape, value.dtype)
+
+
+def _chunk(value: torch.Tensor, start: int, step: int, amax_row: torch.Tensor | None) -> torch.Tensor:
+    chunk = value[start : start + step]
+    return chunk if amax_row is None else torch.cat([chunk, amax_row])
 
 
 def from_pretrained(path: str | os.PathLike, *, dtype=None, requantize: bool = False, **options) -> nn.Module:
