@@ -140,7 +140,8 @@ class WeightCache:
 
     def release(self, param: torch.Tensor) -> bool:
         """Free the parameter's storage; it must hold a canonical value. False when it can't be freed
-        because other tensors may share its storage (a view, or a storage larger than the tensor)."""
+        because other tensors may share its storage (a view, or a storage larger than the tensor), or
+        it is not resizable (transformers' from_pretrained maps safetensors files into memory)."""
         record = self.record(param)
         if record.released:
             return True
@@ -148,6 +149,8 @@ class WeightCache:
             raise RuntimeError("quantpass: release() needs the parameter's quantized value first")
         storage = param.untyped_storage()
         if param.storage_offset() != 0 or storage.nbytes() != param.numel() * param.element_size():
+            return False
+        if not storage.resizable():
             return False
         self.generation(param)  # fold any change made before now into the record
         storage.resize_(0)
