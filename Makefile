@@ -1,12 +1,15 @@
-# Targets: test (default CPU tier), test-gpu (GPU tier, needs CUDA), bench, lint.
+# Targets: test (default CPU tier), test-slow (the rest of the slower matrices), test-gpu (GPU tier, needs CUDA), bench, lint.
 PYTHON ?= python
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=  # e.g. --bench-threads 1, --bench-suite gpu-quick, --benchmark-json out.json (bench/README.md)
 
-.PHONY: test test-gpu bench lint format
+.PHONY: test test-slow test-gpu bench lint format
 
 test:
-	$(PYTHON) -m pytest tests -q -m "not gpu" -n $(PYTEST_WORKERS) --durations=15
+	$(PYTHON) -m pytest tests -q -m "not gpu and not slow" -n $(PYTEST_WORKERS) --durations=15
+
+test-slow:
+	$(PYTHON) -m pytest tests -q -m "slow and not gpu" -n $(PYTEST_WORKERS) --durations=15
 
 test-gpu:
 	$(PYTHON) -m pytest tests -q -m gpu
