@@ -86,11 +86,11 @@ def from_qtensor(algo: Algo, qt: QTensor, shapes: dict | None = None) -> dict:
         out["scale2"] = qt.scale2.reshape(shape[:-2])
     if "input_scale" in algo.tensors:
         out["input_scale"] = qt.input_scale
+    if "gpt_oss_blocks" in algo.hooks:
+        out["data"] = out["data"].unflatten(-1, (-1, key.group_shape.col // 2))
     for role, stored in (shapes or {}).items():
         if role in out and out[role].numel() == torch.Size(stored).numel():
             out[role] = out[role].reshape(stored)
-    if "gpt_oss_blocks" in algo.hooks:
-        out["data"] = out["data"].unflatten(-1, (-1, key.group_shape.col // 2))
     return out
 
 
