@@ -290,6 +290,16 @@ def test_legacy_w4a16_input_scale_is_dropped_with_a_deprecation_warning(checkpoi
     assert torch.equal(logits, expected)
 
 
+def test_dequantized_twin_runs_the_checkpoint_weights(checkpoints):
+    """What `quantpass run --model DIR` compares with: the checkpoint's weights at full precision."""
+    path = os.path.join(checkpoints, "W4A16_NVFP4")
+    quantized, _ = run(qp.from_pretrained(path))
+    twin = qp.checkpoints.dequantized(qp.from_pretrained(path))
+    assert not any(WEIGHTS.declared(p) for p in twin.parameters())
+    with torch.no_grad():
+        assert cosine(twin(EVAL_IDS).logits.float(), quantized) > 0.9999  # weight-only: the same weights
+
+
 def test_describe_and_detect(checkpoints, tmp_path):
     lines = qp.checkpoints.describe(os.path.join(checkpoints, "MIXED_PRECISION"))
     assert "modelopt checkpoint, quant_algo MIXED_PRECISION" in lines[0]

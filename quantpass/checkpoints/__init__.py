@@ -2,11 +2,12 @@
 
 `from_pretrained(path, **options)` and `save_pretrained(model, path)` are public as
 `qp.from_pretrained` / `qp.save_pretrained`; `detect` and `describe` tell what a directory holds
-(the CLI's `run --model DIR` and `explain`). The formats: algos.py, one table.
+and `dequantized` gives a loaded checkpoint's full-precision twin (the CLI's `run --model DIR`
+and `explain`). The formats: algos.py, one table.
 """
 
 from .algos import ALGOS, GPT_OSS_MXFP4, QUANT_ALGOS, Algo, Layout
-from .load import CheckpointInfo, describe, detect, from_pretrained
+from .load import CheckpointInfo, dequantized, describe, detect, from_pretrained
 from .save import save_pretrained
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "Algo",
     "CheckpointInfo",
     "Layout",
+    "dequantized",
     "describe",
     "detect",
     "from_pretrained",

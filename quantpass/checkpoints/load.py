@@ -390,3 +390,14 @@ def from_pretrained(path: str | os.PathLike, *, dtype=None, requantize: bool = F
     if experts_warning(model) is not None:  # transformers' eager expert loop never reaches quantpass
         model.set_experts_implementation("grouped_mm")
     return model
+
+
+def dequantized(model: nn.Module) -> nn.Module:
+    """`model` (in place) with every quantized weight replaced by a plain full-precision parameter
+    holding its dequantized value: the "unquantized" side when comparing a pre-quantized checkpoint
+    with itself (`quantpass run --model DIR`). It holds the full-precision copy a comparison needs."""
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and WEIGHTS.declared(param) is not None:
+                module._parameters[name] = nn.Parameter(WEIGHTS.dense(param), requires_grad=False)
+    return model
