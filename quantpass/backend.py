@@ -204,7 +204,9 @@ def experts_warning(model) -> str | None:
 def explain(model, *example_inputs, config: QuantizationConfig | dict | None = None, **options) -> Plan:
     """What quantpass would do to `model` on these inputs: captures with Dynamo, quantizes nothing.
 
-    Runs the model once (uncompiled, under `torch.no_grad()`: quantpass is for inference).
+    Runs the model once (uncompiled, under `torch.no_grad()`: quantpass is for inference); weights
+    quantpass already released (a model compiled before) run as their dequantized values, the
+    model itself is left as it is.
     """
     opts = BackendOptions.parse(config=config, **options)
     if warning := experts_warning(model):
@@ -213,7 +215,11 @@ def explain(model, *example_inputs, config: QuantizationConfig | dict | None = N
 
     def planner(gm, inputs):
         plan.extend(QuantizePass(opts.config, verify=False)(gm, inputs, plan_only=True).plan)
-        return gm.forward
+
+        def run(*args):
+            return gm.forward(*(WEIGHTS.dense(a) if _is_param(a) and WEIGHTS.is_released(a) else a for a in args))
+
+        return run
 
     with torch.no_grad():
         torch.compile(model, backend=planner)(*example_inputs)

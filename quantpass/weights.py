@@ -85,19 +85,29 @@ def refresh_weights(model: torch.nn.Module) -> None:
 def state_dict(model: torch.nn.Module, quantized: bool = False) -> dict[str, torch.Tensor | QTensor]:
     """`model.state_dict()` with every released weight's dequantized value, never freed memory; with
     `quantized=True`, each weight quantpass holds quantized is its `QTensor` instead."""
-    model = _root(model)
     result = {}
-    params = dict(model.named_parameters(remove_duplicate=False))  # state_dict's hooks give dense copies
-    for name, value in model.state_dict(keep_vars=True).items():
-        value = params.get(name, value)
-        canonical = WEIGHTS.canonical_values(value) if quantized and isinstance(value, torch.Tensor) else {}
+    for name, value in _state_tensors(_root(model)):
+        canonical = WEIGHTS.canonical_values(value) if quantized else {}
         if canonical:
             result[name] = next(iter(canonical.values()))
-        elif isinstance(value, torch.Tensor) and WEIGHTS.is_released(value):
+        elif WEIGHTS.is_released(value):
             result[name] = WEIGHTS.dense(value)
         else:
-            result[name] = value.detach() if isinstance(value, torch.Tensor) else value
+            result[name] = value.detach()
     return result
+
+
+def _state_tensors(model: torch.nn.Module):
+    """(name, tensor) of what `model.state_dict()` holds: parameters and persistent buffers, read
+    directly (state_dict() itself would dequantize every released weight through its hooks)."""
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for name, param in module._parameters.items():
+            if param is not None:
+                yield dot + name, param
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield dot + name, buffer
 
 
 # ---------------------------------------------------------------------------- module hooks

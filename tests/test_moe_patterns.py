@@ -16,6 +16,7 @@ from quantpass.metrics import cosine, sqnr
 from quantpass.passes.fx_utils import add_placeholders, copy_graph_module, op_counts, set_placeholder_values
 from quantpass.passes.quantize import quantize_site
 from quantpass.patterns.moe import find_moe_sites
+from quantpass.patterns.moe_expert_gemms import ExpertMatmul, expert_gemm_site
 from quantpass.patterns.site import param_refs
 from quantpass.quant_registry.spec import QuantSpec
 
@@ -113,7 +114,7 @@ def test_transformers_moe(case):
 def check_sites(name, matches):
     layers, experts, activation, layout, transposed, biases = EXPECTED[name]
     assert [s.fqn for s in matches.sites] == [f"model.layers.{i}.mlp.experts" for i in layers]
-    assert matches.unproven == [] and matches.expert_linears == {}
+    assert matches.unproven == [] and matches.expert_linears == {} and matches.expert_gemms == []
     for site in matches.sites:
         assert (site.activation, site.gate_up_layout, site.apply_router_weight_on_input) == (activation, layout, False)
         assert [p.name.rsplit(".", 1)[1] for p in site.params] == ["gate_up_proj", "down_proj"]
@@ -174,7 +175,7 @@ def test_module_list_experts_go_to_the_linear_pass(dense):
     dynamo_config = {} if dense else {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": True}
     gm, example_inputs = capture_one(OneLayer(ModuleListMoE(dense)).eval(), torch.randn(2, 8, 64), **dynamo_config)
     matches = find_moe_sites(gm.graph, example_inputs)
-    assert matches.sites == [] and matches.claimed == set()
+    assert matches.sites == [] and matches.claimed == set() and matches.expert_gemms == []
     params = param_refs(gm.graph, example_inputs)
     names = sorted(params[n].name for n in matches.expert_linears)  # the 12 expert weights, not the router's
     assert names == [f"layers.0.mlp.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w2", "w3")]
@@ -187,24 +188,38 @@ def test_module_list_loop_without_dynamic_capture_is_invisible():
     torch.manual_seed(0)
     for gm, example_inputs in capture(OneLayer(ModuleListMoE(dense=False)).eval(), torch.randn(2, 8, 64)):
         matches = find_moe_sites(gm.graph, example_inputs)
-        assert (matches.sites, matches.expert_linears, matches.unproven) == ([], {}, [])
+        assert (matches.sites, matches.expert_gemms, matches.expert_linears, matches.unproven) == ([], [], {}, [])
 
 
 def test_dense_model_has_no_moe():
     gm, example_inputs = capture_one(tiny_llama(), token_ids(), kwargs={"use_cache": False})
     matches = find_moe_sites(gm.graph, example_inputs)
-    assert (matches.sites, matches.expert_linears, matches.unproven) == ([], {}, [])
+    assert (matches.sites, matches.expert_gemms, matches.expert_linears, matches.unproven) == ([], [], {}, [])
 
 
 def test_near_miss_is_not_proven():
-    """Rows left in expert-sorted order (no un-permute) look like MoE but compute something else."""
+    """Rows left in expert-sorted order (no un-permute) look like MoE but compute something else:
+    not a fused site; its two weights are quantized GEMM by GEMM instead, in [E, N, K] layout."""
     for unpermute, proven in ((True, True), (False, False)):
         torch.manual_seed(0)
         model = OneLayer(SortedExperts(unpermute)).to(torch.bfloat16).eval()
         gm, example_inputs = capture_one(model, torch.randn(2, 8, 64, dtype=torch.bfloat16))
         matches = find_moe_sites(gm.graph, example_inputs)
-        assert len(matches.sites) == int(proven)
-        assert [fqn for fqn, _ in matches.unproven] == ([] if proven else ["layers.0.mlp"])
+        assert len(matches.sites) == int(proven) and matches.unproven == []
+        assert [s.fqn for s in matches.expert_gemms] == ([] if proven else ["layers.0.mlp"])
+    (site,) = matches.expert_gemms
+    assert [(p.name, p.transposed) for p in site.params] == [
+        ("layers.0.mlp.gate_up_proj", False),  # stored [E, 2I, H], transposed by the graph for grouped_mm
+        ("layers.0.mlp.down_proj", False),
+    ]
+    assert site.forms == ("grouped_mm",) and "no sum over the top-k experts" in site.why, site.why
+    assert site.skip_reason is None and site.notes == []
+    params = param_refs(gm.graph, example_inputs)  # were both weights quantized elsewhere: nothing left, said why
+    matmuls = [n for n in gm.graph.nodes if "grouped_mm" in str(n.target)]
+    anchors = [ExpertMatmul(n, p.node, n.args[0], False) for n, p in zip(matmuls, site.params)]
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    skipped = expert_gemm_site(site.fqn, anchors, params, site.why, {p.node for p in site.params}, order)
+    assert skipped.params == [] and "layers.0.mlp.down_proj: quantized by a proven" in skipped.skip_reason
 
 
 @pytest.mark.parametrize(
@@ -215,9 +230,9 @@ def test_activation_is_read_from_the_graph(hidden_act, activation):
     model = tiny_moe("mixtral", "grouped_mm", torch.float32, hidden_act=hidden_act)
     gm, example_inputs = capture_model(model)
     matches = find_moe_sites(gm.graph, example_inputs)
-    if activation is None:  # not gated by a supported activation: reported, left to the linear pass
-        assert matches.sites == [] and len(matches.unproven) == 2
-        assert all("gated activation" in why for _, why in matches.unproven), matches.unproven
+    if activation is None:  # not gated by a supported activation: quantized GEMM by GEMM, saying why
+        assert matches.sites == [] and len(matches.expert_gemms) == 2
+        assert all("gated activation" in s.why for s in matches.expert_gemms), matches.expert_gemms
     else:
         assert [s.activation for s in matches.sites] == [activation, activation]
 

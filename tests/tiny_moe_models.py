@@ -94,20 +94,25 @@ H, I, E, K = 64, 32, 4, 2  # hidden, intermediate, experts, top-k  # noqa: E741
 class GatherEinsumMoE(nn.Module):
     """gpt-fast style: separate w1 (gate) / w3 (up) / w2 [E, ...] gathered by `W[topk_ids]`, einsum.
 
-    `gate` names the parameter whose projection goes through the SiLU (w1 in gpt-fast).
+    `gate` names the parameter whose projection goes through the SiLU (w1 in gpt-fast);
+    `pre_activation`, if given, is applied to the gate projection before the SiLU (a model that
+    must defeat the activation matcher: `clamp(max=50)`, an op it does not know).
     """
 
-    def __init__(self, gate: str = "w1"):
+    def __init__(self, gate: str = "w1", pre_activation=None):
         super().__init__()
         self.gate = nn.Linear(H, E, bias=False)
         self.w1 = nn.Parameter(torch.randn(E, I, H) * 0.1)
         self.w3 = nn.Parameter(torch.randn(E, I, H) * 0.1)
         self.w2 = nn.Parameter(torch.randn(E, H, I) * 0.1)
         self.gate_param = gate
+        self.pre_activation = pre_activation
 
     def experts(self, x, expert_weights, expert_indices):  # [T, H], [T, K], [T, K] -> [T, H]
         x1 = torch.einsum("ti,taoi->tao", x, self.w1[expert_indices])
         x3 = torch.einsum("ti, taoi -> tao", x, self.w3[expert_indices])
+        if self.pre_activation is not None:
+            x1, x3 = (self.pre_activation(x1), x3) if self.gate_param == "w1" else (x1, self.pre_activation(x3))
         hidden = F.silu(x1) * x3 if self.gate_param == "w1" else x1 * F.silu(x3)
         y = torch.einsum("tao,taio->tai", hidden, self.w2[expert_indices])
         return torch.einsum("tai,ta->ti", y, expert_weights)
@@ -192,3 +197,12 @@ class SortedExperts(nn.Module):
             inverse[perm] = torch.arange(perm.size(0))
             out = out[inverse]
         return out.view(-1, K, H).sum(dim=1)
+
+
+def defeat_activation(model: nn.Module) -> nn.Module:
+    """A tiny GPT-OSS whose experts clamp their swigluoai output at 50: no fused MoE computes that."""
+    experts = [m for m in model.modules() if isinstance(getattr(m, "limit", None), float) and hasattr(m, "_apply_gate")]
+    assert experts, "defeat_activation expects GPT-OSS experts (their own `_apply_gate` and `limit`)"
+    for module in experts:
+        module._apply_gate = lambda gate_up, own=module._apply_gate: own(gate_up).clamp(max=50)
+    return model

@@ -239,3 +239,29 @@ def prepare_weight(backend: str, kind: str, weight: QTensor) -> QTensor:
 def prepare_moe_weights(backend: str, w13: QTensor, w2: QTensor, gate_up_layout: str) -> tuple[QTensor, QTensor]:
     prepare = getattr(oracle.backend_module(backend), "prepare_moe_weights", None)
     return (w13, w2) if prepare is None else prepare(w13, w2, gate_up_layout)
+
+
+@torch.library.custom_op("quantpass::dequantize_weight", mutates_args=())
+def dequantize_weight(
+    data: Tensor,
+    scale: Tensor,
+    scale2: Tensor | None,
+    weight_key: str,
+    rows: int,
+    cols: int,
+    dtype: torch.dtype,
+    transposed: bool,
+) -> Tensor:
+    """A quantized `[..., rows, cols]` weight -> the dense weight in `dtype`, contiguous, in its stored
+    layout (`[..., cols, rows]` when `transposed`). For GEMMs that stay the graph's own (experts that
+    can't be proven a fused MoE): the weight is held quantized and rebuilt on every call, so only the
+    weight's quantization applies, never the activations'."""
+    from ..quant_registry.formats import dequantize
+
+    dense = dequantize(weight_view(data, scale, scale2, weight_key, rows, cols, dtype))
+    return (dense.transpose(-2, -1) if transposed else dense).contiguous()
+
+
+@dequantize_weight.register_fake
+def _(data, scale, scale2, weight_key, rows, cols, dtype, transposed):
+    return data.new_empty((*data.shape[:-2], *((cols, rows) if transposed else (rows, cols))), dtype=dtype)

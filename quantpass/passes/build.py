@@ -66,7 +66,7 @@ class _Builder:
         q.binding.qtensors(self.example_inputs)  # quantize (cached: shared bindings build once)
         token = verify_token(q, self.example_inputs)
         if self.verify and token not in self.verified:
-            if inputs is not None and inputs[0].numel() == 0:  # no rows reach it in this call: use samples
+            if inputs is not None and (not inputs or inputs[0].numel() == 0):  # none to probe / no rows: samples
                 inputs = original = None
             verify_site(q, self.example_inputs, inputs, original)
             self.verified.add(token)

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..kernels.ops import op_tensors
-from ..kernels.oracle import Capability, NoKernelError, select
+from ..kernels.oracle import Capability, NoKernelError
 from ..patterns.linear import find_linear_sites
 from ..patterns.site import ParamRef, Site, param_refs
 from ..plan import Plan, PlanRow
@@ -44,7 +44,6 @@ class QuantizedSite:
     device_type: str
     row: PlanRow
     binding: Binding | None = None
-    nodes: list[fx.Node] = field(default_factory=list)  # its weight placeholders
     probe: tuple[list[fx.Node], fx.Node] | None = None  # (input nodes, output node) in Dynamo's graph
 
 
@@ -58,6 +57,7 @@ class Binding:
     build: Callable[[list[torch.Tensor]], tuple[list[QTensor], list[torch.Tensor]]] | None = None
     nodes: list[fx.Node] = field(default_factory=list)  # its placeholders in the rewritten graph
     release: tuple[bool, ...] = ()  # per parameter: its storage may be freed once quantized
+    deferred: bool = True  # during the pass build.py releases (after the last site); later, build() does
 
     def tensors(self, args) -> list[torch.Tensor]:
         return WEIGHTS.get([args[i] for i in self.param_indices], self.token, self.build)[1]
@@ -85,6 +85,7 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
     else:
         matches = find_moe_sites(graph, example_inputs)
         moe_sites, claimed, expert_linears = matches.sites, matches.claimed, matches.expert_linears
+        moe_sites = [*moe_sites, *matches.expert_gemms]  # unproven experts: quantized GEMM by GEMM
         rows = [
             PlanRow(fqn, "moe", None, None, None, f"left to the linear pass: {why}") for fqn, why in matches.unproven
         ]
@@ -127,16 +128,14 @@ def plan_sites(
         if spec is None:
             decided.append(left(why))
             continue
-        activation = _value(site.input_nodes[0])
+        activation = _value(site.input_nodes[0]) if site.input_nodes else None
         if activation is not None and not activation.is_floating_point():
             decided.append(left(f"its input is {activation.dtype}, not floating point (eager raises on it too)"))
             continue
         values = [example_inputs[p.index] for p in site.params]
         capability = Capability.detect(values[0].device)
         try:
-            selection = select(
-                site.kind, spec.weight, spec.activation, capability, site.problem, config.backend_for(site.kind)
-            )
+            spec, selection = site.choose_backend(spec, capability, config.backend_for(site.kind))
         except NoKernelError as e:
             raise NoKernelError(f"layer {site.fqn!r}: {e}") from None
         notes = "".join(f"; {note}" for note in site.notes)
@@ -191,6 +190,8 @@ def _binding(q: QuantizedSite) -> Binding:
         for param, ref, weight, release in zip(params, site.params, weights, binding.release):
             if release:  # the source for restoring and for other layouts once its storage is freed
                 WEIGHTS.set_canonical(param, (spec.weight, ref.transposed), weight)
+                if not binding.deferred:  # another instance through this graph, new data: free it now
+                    WEIGHTS.release(param)
         return qtensors, [t for qt in qtensors for t in op_tensors(qt, spec, site.fqn) if t is not None]
 
     binding.build = build
@@ -251,6 +252,8 @@ def quantize_graph(
     for binding in bindings:
         binding.release = tuple(not keep_original_weights and i not in raw for i in binding.param_indices)
     build_and_verify(gm, example_inputs, chosen, verify, verified)
+    for binding in bindings:
+        binding.deferred = False
     extra_inputs = []
     for binding in bindings:
         tensors = binding.tensors(example_inputs)

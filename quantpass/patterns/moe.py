@@ -3,10 +3,12 @@
 `find_moe_sites` anchors on matmuls with a 3-D parameter operand (`_grouped_mm` /
 `transformers::grouped_mm_fallback`, `bmm` or `einsum` on `W[ids]`), groups them by the top-k
 expert ids they are routed by, and proves each group's region with the interpreter of
-`moe_forms` — everything is read from the graph (shapes, ops, constants), never from class
+`moe_interpreter` — everything is read from the graph (shapes, ops, constants), never from class
 names. Routing (softmax/sigmoid, top-k, renormalisation, group top-k, scaling) stays in the
 graph: a site starts where `hidden` [T, H], `topk_weights` and `topk_ids` [T, k] enter the experts.
-ModuleList experts (one `nn.Linear` per expert) can't be proven fused: their weights are listed in
+A group that can't be proven is not left unquantized: its 3-D weights become an `ExpertGemmSite`
+(`moe_expert_gemms`), quantized weight-only under the graph's own expert matmuls. ModuleList
+experts (one `nn.Linear` per expert) can't be proven fused: their weights are listed in
 `expert_linears` so the linear pass quantizes them with the `moe` spec.
 """
 
@@ -21,10 +23,11 @@ import torch.fx as fx
 from ..kernels import ops
 from ..kernels.oracle import Problem
 from ..quant_registry.formats import concat_rows
-from .moe_forms import hidden_root, ids_root, prove
+from .moe_expert_gemms import ExpertGemmSite, ExpertMatmul, expert_gemm_site
+from .moe_interpreter import hidden_root, ids_root, prove
 from .moe_modulelist import find_module_list_experts
-from .moe_region import collect_region, erase_dead, extract, op_name, shape, value
 from .moe_rules import DOWN, UP, NotProven, same, sym
+from .moe_subgraph import argument, collect_region, erase_dead, extract, op_name, shape, value
 from .site import ParamRef, Site, param_refs
 
 SAMPLE_TOKENS = 16  # tokens in `sample_inputs` when the graph's token count is dynamic
@@ -33,15 +36,16 @@ SAMPLE_TOKENS = 16  # tokens in `sample_inputs` when the graph's token count is 
 @dataclass
 class MoEMatches:
     sites: list[MoESite] = field(default_factory=list)  # proven experts regions -> quantpass::fused_moe
+    expert_gemms: list[ExpertGemmSite] = field(default_factory=list)  # unproven: quantized GEMM by GEMM
     claimed: set[fx.Node] = field(default_factory=set)  # every node of those regions: not linear sites
     expert_linears: dict[fx.Node, str] = field(default_factory=dict)  # weight placeholder -> experts FQN
-    unproven: list[tuple[str, str]] = field(default_factory=list)  # (fqn, why) MoE-like, not supported
+    unproven: list[tuple[str, str]] = field(default_factory=list)  # (fqn, why) ModuleList: to the linear pass
 
 
 @dataclass
 class MoESite(Site):
     """One experts region. `params` = [w13, w2], or [w1 (gate), w3 (up), w2] when gate and up are
-    separate parameters (gather-einsum style); `quantize` returns [w13, w2] either way."""
+    separate parameters (gather-einsum style); `prepare` returns [w13, w2] either way."""
 
     kind = "moe"
     weight_count = 2  # w13, w2
@@ -146,35 +150,39 @@ def find_moe_sites(graph: fx.Graph, example_inputs) -> MoEMatches:
     """
     params = param_refs(graph, example_inputs)
     order = {node: i for i, node in enumerate(graph.nodes)}
-    matches = MoEMatches()
+    matches, unproven = MoEMatches(), []
     for ids, anchors in _anchor_groups(graph, params).items():
-        fqn = _experts_fqn([params[w].name for _, w, _ in anchors])
+        fqn = _experts_fqn([params[a.weight].name for a in anchors])
         try:
             if ids is None:
                 raise NotProven("its expert ids don't come from a [T, k] integer tensor (top-k indices)")
             site = _site(graph, order, params, example_inputs, ids, anchors, fqn)
         except NotProven as error:
-            matches.unproven.append((fqn, str(error)))
+            unproven.append((fqn, anchors, str(error)))
             continue
         matches.sites.append(site)
         matches.claimed |= site.region
+    taken = {ref.node for site in matches.sites for ref in site.params}
+    for fqn, anchors, why in unproven:
+        anchors = [a for a in anchors if a.node not in matches.claimed]
+        matches.expert_gemms.append(expert_gemm_site(fqn, anchors, params, why, taken, order))
     for fqn, weights in find_module_list_experts(graph, params).items():
         matches.expert_linears.update(dict.fromkeys(weights, fqn))
         matches.unproven.append((fqn, f"{len(weights)} per-expert linears (ModuleList): no fused form to prove"))
     return matches
 
 
-def _anchor_groups(graph, params) -> dict[fx.Node | None, list[tuple[fx.Node, fx.Node, fx.Node]]]:
-    """Matmuls with a 3-D parameter operand as (node, weight, token operand), by their [T, k] ids."""
-    groups: dict[fx.Node | None, list] = {}
+def _anchor_groups(graph, params) -> dict[fx.Node | None, list[ExpertMatmul]]:
+    """Matmuls with a 3-D parameter operand, by the [T, k] expert ids they are routed by."""
+    groups: dict[fx.Node | None, list[ExpertMatmul]] = {}
     for node in graph.nodes:
         name = op_name(node)
         found = None
-        if name == "grouped_mm":
+        if name == "grouped_mm":  # x [M, in] @ weight [E, in, out]: W.transpose(-2, -1) of an [E, out, in] W
             weight = node.args[1]
-            if op_name(weight) == "transpose":
-                weight = weight.args[0]
-            found = (weight, node.args[0], node.kwargs.get("offs", node.args[2] if len(node.args) > 2 else None))
+            stored_out_in = op_name(weight) == "transpose" and {d % 3 for d in weight.args[1:3]} == {1, 2}
+            weight = weight.args[0] if stored_out_in else weight
+            found = (weight, node.args[0], argument(node, 2, "offs"), not stored_out_in)
         elif name in ("bmm", "einsum"):
             operands = list(node.args[:2] if name == "bmm" else node.args[1:])
             for i, operand in enumerate(operands):
@@ -184,12 +192,26 @@ def _anchor_groups(graph, params) -> dict[fx.Node | None, list[tuple[fx.Node, fx
                     and isinstance(operand.args[1], fx.Node)
                 ):
                     others = operands[:i] + operands[i + 1 :]
-                    found = (operand.args[0], others[0] if len(others) == 1 else None, operand.args[1])
+                    transposed = i == 1 if name == "bmm" else _einsum_transposed(node.args[0], i)
+                    found = (operand.args[0], others[0] if len(others) == 1 else None, operand.args[1], transposed)
         if found is None or found[0] not in params or len(shape(found[0])) != 3 or found[1] is None:
             continue
-        weight, source, route = found
-        groups.setdefault(ids_root(route), []).append((node, weight, source))
+        weight, source, route, transposed = found
+        groups.setdefault(ids_root(route), []).append(ExpertMatmul(node, weight, source, transposed))
     return groups
+
+
+def _einsum_transposed(equation, operand: int) -> bool:
+    """Whether einsum operand `operand` (a gathered weight `W[ids]`) is contracted on its dim -2, i.e.
+    W is stored [E, in, out]; on anything unexpected, False (the stored layout is quantized as is)."""
+    if not isinstance(equation, str) or "->" not in equation:
+        return False
+    inputs, out = equation.replace(" ", "").split("->")
+    subscripts = inputs.split(",")
+    if operand >= len(subscripts) or len(subscripts[operand]) < 2:
+        return False
+    second_last, last = subscripts[operand][-2:]
+    return second_last not in out and last in out
 
 
 def _experts_fqn(names: list[str]) -> str:
@@ -205,14 +227,14 @@ def _experts_fqn(names: list[str]) -> str:
 
 
 def _site(graph, order, params, example_inputs, topk_ids, anchors, fqn) -> MoESite:
-    hidden = hidden_root(anchors[0][2])
+    hidden = hidden_root(anchors[0].source)
     dims, ids_dims = shape(hidden), shape(topk_ids)
-    experts = int(shape(anchors[0][1])[0])
+    experts = int(shape(anchors[0].weight)[0])
     if dims is None or len(dims) != 2 or not same(dims[0], ids_dims[0]):
         raise NotProven(f"tokens enter the experts as {hidden.name} {dims}, not [T, H] with T = {ids_dims[0]}")
     found = prove(order, params, hidden, topk_ids, experts)
     projections = [*found.up, found.down]
-    unused = {node for node, _, _ in anchors} - {p.node for p in projections}
+    unused = {a.node for a in anchors} - {p.node for p in projections}
     if unused:
         raise NotProven(f"expert matmul {sorted(n.name for n in unused)} is not part of the proven experts")
     up = found.up if len(found.up) == 1 or found.activation.gate_input == 0 else found.up[::-1]

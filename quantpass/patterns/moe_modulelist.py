@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from .moe_region import is_cast, op_name, shape
+from .moe_subgraph import is_cast, op_name, shape
 
 INDEXED = re.compile(r"^(?P<experts>.+)\.(?P<index>\d+)\.(?P<rest>[^\d].*)$")  # greedy: the last index
 LINEAR_TARGETS = {torch._C._nn.linear, F.linear}

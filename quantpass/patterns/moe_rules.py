@@ -1,4 +1,4 @@
-"""The rules of the MoE interpreter (`moe_forms`): one per op, over `Tag`s of FX nodes.
+"""The rules of the MoE interpreter (`moe_interpreter`): one per op, over `Tag`s of FX nodes.
 
 Every value inside an experts region gets a `Tag`: what it holds (token data, expert ids, router
 weights, a sort permutation, an expert weight, ...) and the order of its rows: "t" one row per
@@ -20,11 +20,11 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..kernels.reference import ACTIVATIONS
-from .moe_region import identify_activation, is_cast, op_name, shape, value
+from .moe_activation import NotAnActivation, identify_activation
+from .moe_subgraph import argument, is_cast, op_name, shape, value
 
 if TYPE_CHECKING:
-    from .moe_forms import Interpreter
+    from .moe_interpreter import Interpreter
 
 ROW_DIMS = {"t": 1, "tk": 1, "sorted": 1, "t,k": 2}
 UP, ACTIVATED, DOWN = 1, 2, 3  # stages of token data: 0 = entering the experts
@@ -61,10 +61,6 @@ def sym(x) -> sympy.Expr:
 def same(a, b) -> bool:
     """Two sizes (ints or SymInts) are the same expression; never adds a shape guard."""
     return sympy.expand(sym(a) - sym(b)) == 0
-
-
-def _arg(node: fx.Node, index: int, name: str, default=None):
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
 
 
 # ----------------------------------------------------------------------------- rules
@@ -106,7 +102,7 @@ def _same_dims(a, b) -> bool:
 
 def _unsqueeze(it: Interpreter, node):
     tag = it.tag(node.args[0])
-    dim = _arg(node, 1, "dim")
+    dim = argument(node, 1, "dim")
     if tag is None or tag.order is None or not isinstance(dim, int):
         return None
     ndim = len(shape(node)) if op_name(node) == "unsqueeze" else len(shape(node.args[0]))
@@ -115,13 +111,13 @@ def _unsqueeze(it: Interpreter, node):
 
 def _sort(it: Interpreter, node):
     tag = it.tag(node.args[0])
-    descending = _arg(node, 2, "descending", False)
+    descending = argument(node, 2, "descending", False)
     if (
         tag is None
         or tag.kind != "expert"
         or tag.order != "tk"
         or descending
-        or _arg(node, 1, "dim", -1) not in (0, -1)
+        or argument(node, 1, "dim", -1) not in (0, -1)
     ):
         return None
     return Tag("sort", sort=node)
@@ -158,7 +154,7 @@ def _floordiv(it: Interpreter, node):
 
 def _histc(it: Interpreter, node):
     tag = it.tag(node.args[0])
-    bins, low, high = _arg(node, 1, "bins", 100), _arg(node, 2, "min", 0), _arg(node, 3, "max", 0)
+    bins, low, high = argument(node, 1, "bins", 100), argument(node, 2, "min", 0), argument(node, 3, "max", 0)
     if tag is None or tag.kind != "expert" or tag.order != "sorted":
         return None
     if (bins, low, high) != (it.experts, 0, it.experts - 1):
@@ -169,7 +165,7 @@ def _histc(it: Interpreter, node):
 
 def _cumsum(it: Interpreter, node):
     tag = it.tag(node.args[0])
-    return tag if tag is not None and tag.kind == "offsets" and _arg(node, 1, "dim") == 0 else None
+    return tag if tag is not None and tag.kind == "offsets" and argument(node, 1, "dim") == 0 else None
 
 
 def _empty_like(it: Interpreter, node):
@@ -198,7 +194,7 @@ def _setitem(it: Interpreter, node):
 
 def _repeat_interleave(it: Interpreter, node):
     tag = it.tag(node.args[0])
-    repeats, dim = _arg(node, 1, "repeats"), _arg(node, 2, "dim")
+    repeats, dim = argument(node, 1, "repeats"), argument(node, 2, "dim")
     if tag is not None and tag.kind in ("data", "router") and tag.order == "t" and repeats == it.topk and dim == 0:
         return replace(tag, order="tk")
     return None
@@ -227,11 +223,11 @@ def _project(it: Interpreter, node, source, weight, transposed: bool, source_ord
 
 
 def _grouped_mm(it: Interpreter, node):
-    source, weight, offsets = node.args[0], node.args[1], _arg(node, 2, "offs")
+    source, weight, offsets = node.args[0], node.args[1], argument(node, 2, "offs")
     weight_tag, offsets_tag = it.tag(weight), it.tag(offsets)
     if weight_tag is None or weight_tag.kind != "weight" or offsets_tag is None or offsets_tag.kind != "offsets":
         return None
-    if _arg(node, 3, "bias") is not None:
+    if argument(node, 3, "bias") is not None:
         return None
     tag = _project(it, node, source, weight_tag.param, transposed=not weight_tag.graph_transposed)
     if tag is not None and (tag.order != "sorted" or tag.sort is not offsets_tag.sort):
@@ -326,8 +322,8 @@ def _add(it: Interpreter, node):
 
 def _sum(it: Interpreter, node):
     tag = it.tag(node.args[0])
-    dim = _arg(node, 1, "dim")
-    if tag is None or tag.kind != "data" or tag.order != "t,k" or _arg(node, 2, "keepdim", False):
+    dim = argument(node, 1, "dim")
+    if tag is None or tag.kind != "data" or tag.order != "t,k" or argument(node, 2, "keepdim", False):
         return None
     return replace(tag, order="t") if dim in (1, -len(shape(node.args[0])) + 1) else None
 
@@ -361,11 +357,10 @@ def _resolve_activation(it: Interpreter, projection: fx.Node, source: fx.Node) -
     ):
         return None
     inputs.sort(key=it.order.get)
-    found = identify_activation(sorted(nodes, key=it.order.get), inputs, core, int(shape(inputs[0])[-1]))
-    if found is None:
-        it.refuse(
-            projection, f"the gated activation is none of {', '.join(ACTIVATIONS)} (gate/up concat or interleaved)", UP
-        )
+    try:
+        found = identify_activation(sorted(nodes, key=it.order.get), inputs, core)
+    except NotAnActivation as error:
+        it.refuse(projection, f"the gated activation is not proven: {error}", UP)
         return None
     it.activation, it.middle = found, nodes | set(chain[:-1])
     tag = replace(tags[0], stage=ACTIVATED)

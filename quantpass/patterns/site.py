@@ -17,7 +17,7 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 
-from ..kernels.oracle import Problem
+from ..kernels.oracle import Capability, Problem, Selection, select
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantSpec
 
@@ -68,6 +68,11 @@ class Site:
     def signature(self) -> tuple:
         """Anything besides (spec, backend, transposes) that changes `quantize`'s result."""
         return ()
+
+    def choose_backend(self, spec: QuantSpec, capability: Capability, named: str) -> tuple[QuantSpec, Selection]:
+        """(the spec this site applies, the backend that runs it): the oracle's pick for `kind` unless a
+        site runs its math some other way (the graph's own GEMMs on dequantized weights: weight-only)."""
+        return spec, select(self.kind, spec.weight, spec.activation, capability, self.problem, named)
 
     def prepare(self, weights: list[QTensor], spec: QuantSpec, backend: str) -> list[QTensor]:
         """Each parameter quantized with `spec.weight` (`[..., N, K]`, formats.py's layout) -> the

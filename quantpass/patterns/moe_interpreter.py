@@ -5,8 +5,8 @@ Starting from where tokens (`hidden` [T, H]) and top-k expert ids ([T, k]) enter
 (what the value holds and in which row order); nodes no rule accepts are not part of the region.
 The router weights are the [T, k] tensor a stuck `mul` names on a first pass. A region is proven
 when one value holds token data in token order [T, H] that went through the up projection(s), a
-gated activation (identified numerically), the down projection and exactly one multiplication by
-the router weights.
+gated activation (identified structurally by `moe_activation`), the down projection and exactly
+one multiplication by the router weights.
 
 This covers transformers 5.x experts under `grouped_mm` (sort, `histc`/`cumsum` offsets,
 `_grouped_mm` or `transformers::grouped_mm_fallback`, un-permute, `view(T, k, H).sum(1)`) and
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .moe_region import GatedActivation, is_cast, op_name, shape, value
+from .moe_activation import GatedActivation
 from .moe_rules import DOWN, LAZY_RULES, RULES, UP, NotProven, Projection, Tag, same
+from .moe_subgraph import is_cast, op_name, shape, value
 
 
 @dataclass
