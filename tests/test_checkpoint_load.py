@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 import transformers
+from test_checkpoints import run as compile_and_run
 from tiny_models import tiny_llama, token_ids
 from tiny_moe_models import tiny_moe
 
@@ -32,11 +33,7 @@ IDS = token_ids(length=9)
 
 
 def run(model, **options):
-    backend = qp.backend(lowering="eager", **options)
-    torch._dynamo.reset()
-    with torch.no_grad():
-        logits = torch.compile(model, backend=backend)(IDS).logits.float()
-    return logits, backend.plan
+    return compile_and_run(model, IDS, **options)
 
 
 # ---------------------------------------------------------------------------- gpt-oss MXFP4

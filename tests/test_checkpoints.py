@@ -185,11 +185,12 @@ def reference_model(path: str, tmp_path) -> transformers.PreTrainedModel:
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
-def run(model, **options):
+def run(model, ids=EVAL_IDS, **options):
+    """(logits, plan) of `model` compiled with quantpass (eager lowering: compile time)."""
     backend = qp.backend(lowering="eager", **options)
     torch._dynamo.reset()
     with torch.no_grad():
-        logits = torch.compile(model, backend=backend)(EVAL_IDS).logits.float()
+        logits = torch.compile(model, backend=backend)(ids).logits.float()
     return logits, backend.plan
 
 
