@@ -132,8 +132,9 @@ def _build(path: str, dtype):
 
 # ---------------------------------------------------------------------------- the loader
 class _Loader:
-    def __init__(self, path, model, layout: Layout | None, config: QuantizationConfig, requantize: bool):
+    def __init__(self, path, model, layout: Layout | None, config: QuantizationConfig, requantize: bool, device):
         self.model, self.layout, self.config, self.requantize = model, layout, config, requantize
+        self.device = torch.device(device)
         self.entries = shards.index(path)
         self.used: set[str] = set()
         self.info = CheckpointInfo(path, layout or parse_quantization({}, "none", path))
@@ -141,7 +142,7 @@ class _Loader:
     def read(self, name: str) -> torch.Tensor:
         self.used.add(name)
         self.info.stored_shapes[name] = self.entries[name].shape
-        return shards.read(self.entries[name])
+        return shards.read(self.entries[name]).to(self.device)
 
     def algo(self, module_fqn: str, data_name: str) -> Algo | None:
         if self.layout is None:
@@ -183,7 +184,7 @@ class _Loader:
         return self._attach(module, name, old, qt, spec, f"quantized on load: {spec.name()}", transposed)
 
     def _attach(self, module, name, old, qt: QTensor, spec, source: str, transposed: bool):
-        param = nn.Parameter(torch.empty(old.shape, dtype=old.dtype), requires_grad=False)
+        param = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=self.device), requires_grad=False)
         qt = QTensor(*qt.tensors(), qt.key, qt.shape, old.dtype, input_scale=qt.input_scale)
         WEIGHTS.attach_quantized(param, qt, spec, source, transposed=transposed)
         module._parameters[name] = param
@@ -221,6 +222,10 @@ class _Loader:
                 full = f"{fqn}.{name}" if fqn else name
                 if buffer is not None and full in self.entries:
                     module._buffers[name] = self.read(full)
+        for module in self.model.modules():  # buffers computed at build time (rotary tables)
+            for name, buffer in module._buffers.items():
+                if buffer is not None and buffer.device != self.device:
+                    module._buffers[name] = buffer.to(self.device)
         self.model.tie_weights()
         missing = [n for n, p in self.model.named_parameters() if p.device.type == "meta"]
         if missing:
@@ -369,22 +374,24 @@ def _chunk(value: torch.Tensor, start: int, step: int, amax_row: torch.Tensor | 
     return chunk if amax_row is None else torch.cat([chunk, amax_row])
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype=None, requantize: bool = False, **options) -> nn.Module:
+def from_pretrained(
+    path: str | os.PathLike, *, dtype=None, device="cpu", requantize: bool = False, **options
+) -> nn.Module:
     """The transformers model of a checkpoint directory, quantized layers holding the checkpoint's
     tensors (a ModelOpt or gpt-oss MXFP4 checkpoint), or quantized as they load when the options name
     formats (`linear="int8_weight_only"`, `moe=...`, `targets`, `ignore`). For a pre-quantized
     checkpoint the options may change activations (`moe={"activation": "mxfp8"}`); another weight
-    format raises unless `requantize=True`."""
+    format raises unless `requantize=True`. Tensors go to `device` as they are read (`model.to()`
+    afterwards would read the quantized layers' freed storage)."""
     path = os.fspath(path)
     unknown = sorted(set(options) - set(CONFIG_OPTIONS))
     if unknown:
-        raise ValueError(
-            f"invalid from_pretrained option {unknown[0]!r}; valid: dtype, requantize, {', '.join(CONFIG_OPTIONS)}"
-        )
+        valid = ", ".join(("device", "dtype", "requantize", *CONFIG_OPTIONS))
+        raise ValueError(f"invalid from_pretrained option {unknown[0]!r}; valid: {valid}")
     config = QuantizationConfig(**options)
     layout = detect(path)
     model = _build(path, dtype)
-    model.quantpass_checkpoint = _Loader(path, model, layout, config, requantize).load()
+    model.quantpass_checkpoint = _Loader(path, model, layout, config, requantize, device).load()
     from ..backend import experts_warning
 
     if experts_warning(model) is not None:  # transformers' eager expert loop never reaches quantpass
