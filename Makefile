@@ -1,13 +1,16 @@
-# Targets: test (default CPU tier), test-zoo (every zoo cell: tests/zoo), test-gpu (GPU tier, needs CUDA),
-# test-triton-aot (compile-only sm90/sm100 check), bench, lint.
+# Targets: test (default CPU tier), test-slow (the slower matrices), test-zoo (every zoo cell: tests/zoo),
+# test-gpu (GPU tier, needs CUDA), test-triton-aot (compile-only sm90/sm100 check), bench, lint.
 PYTHON ?= python
 PYTEST_WORKERS ?= 2
 BENCH_ARGS ?=  # e.g. --bench-threads 1, --bench-suite gpu-quick, --benchmark-json out.json (bench/README.md)
 
-.PHONY: test test-zoo test-gpu test-triton-aot bench lint format
+.PHONY: test test-slow test-zoo test-gpu test-triton-aot bench lint format
 
 test:
-	$(PYTHON) -m pytest tests -q -m "not gpu" -n $(PYTEST_WORKERS) --durations=15
+	$(PYTHON) -m pytest tests -q -m "not gpu and not slow" -n $(PYTEST_WORKERS) --durations=15
+
+test-slow:
+	$(PYTHON) -m pytest tests -q -m "slow and not gpu" -n $(PYTEST_WORKERS) --durations=15
 
 test-zoo:
 	ZOO_FULL=1 $(PYTHON) -m pytest tests/zoo -q -m "not gpu" -n $(PYTEST_WORKERS) --durations=15

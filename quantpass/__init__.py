@@ -5,6 +5,7 @@
 
 from ._quiet import quiet_third_party_import_noise
 from .backend import backend, explain
+from .checkpoints import from_pretrained, save_pretrained
 from .decorator import compile
 from .functional import linear
 from .passes.verify import QuantizationError
@@ -37,4 +38,7 @@ __all__ = [
     "load_weights",
     "refresh_weights",
     "state_dict",
+    # pre-quantized checkpoints (ModelOpt, gpt-oss MXFP4) and export
+    "from_pretrained",
+    "save_pretrained",
 ]

@@ -56,4 +56,6 @@ def linear(
     prepared = _prepare(weight, selection.backend)
     call = ops.linear_call(selection.backend, x.device.type)
     key, activation = ops.key_arg(spec.weight), ops.key_arg(spec.activation)
-    return call(x, *prepared.tensors(), bias, key, activation, selection.backend, n)
+    data, scale, scale2, input_scale = ops.op_tensors(prepared, spec)
+    static = () if input_scale is None else (input_scale,)  # a checkpoint's calibrated activation scale
+    return call(x, data, scale, scale2, bias, key, activation, selection.backend, n, *static)

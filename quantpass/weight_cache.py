@@ -142,7 +142,9 @@ class WeightCache:
 
     def release(self, param: torch.Tensor) -> bool:
         """Free the parameter's storage; it must hold a canonical value. False when it can't be freed
-        because other tensors may share its storage (a view, or a storage larger than the tensor)."""
+        because other tensors may share its storage (a view, or a storage larger than the tensor). A
+        storage that can't be resized (torch.load, a file mapped into memory) is first swapped for a
+        private copy, which is then freed."""
         record = self.record(param)
         if record.released:
             return True
@@ -152,7 +154,7 @@ class WeightCache:
         if param.storage_offset() != 0 or storage.nbytes() != param.numel() * param.element_size():
             return False
         self.generation(param)  # fold any change made before now into the record
-        if not storage.resizable():  # e.g. torch.load's storages: move to one we may free
+        if not storage.resizable():  # move to one we may free
             with torch.no_grad():
                 param.set_(storage.clone(), 0, param.shape, param.stride())
             storage = param.untyped_storage()

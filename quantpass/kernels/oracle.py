@@ -37,6 +37,7 @@ from ..quant_registry.keys import (
     kMxfp4Static,
     kMxfp8Dynamic,
     kMxfp8Static,
+    kNvfp4CalibratedGlobal,
     kNvfp4Dynamic,
     kNvfp4Static,
 )
@@ -61,6 +62,10 @@ LINEAR_CANDIDATES: dict[Pair, list[str]] = {
     (kInt8StaticChannelSym,  None):                 ["cpu", "triton", "native", "reference"],
     (kInt4StaticGroup128Sym, None):                 ["cpu", "triton", "native", "reference"],
     (kNvfp4Static,           None):                 ["triton", "native", "reference"],
+    # static activation scales (a pre-quantized checkpoint's input_scale): the reference backend only
+    (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
+    (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
+    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 
 MOE_CANDIDATES: dict[Pair, list[str]] = {
@@ -76,6 +81,9 @@ MOE_CANDIDATES: dict[Pair, list[str]] = {
     (kInt8StaticChannelSym,  None):                 ["triton", "native", "cpu", "reference"],
     (kInt4StaticGroup128Sym, None):                 ["triton", "cpu", "reference"],
     (kNvfp4Static,           None):                 ["triton", "reference"],
+    (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
+    (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
+    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 # fmt: on
 CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
