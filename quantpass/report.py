@@ -45,7 +45,8 @@ def _role_spelling(weight, activation) -> str:
     """A pair with no shorthand, as a config spells it: 'weight=mxfp4, activation=mxfp8'."""
     spelled = []
     for role, key in (("weight", weight), ("activation", activation)):
-        name = next((n for n, keys in ROLE_NAMES.items() if keys[("weight", "activation").index(role)] == key), None)
+        index = ("weight", "activation").index(role)
+        name = None if key is None else next((n for n, keys in ROLE_NAMES.items() if keys[index] == key), None)
         spelled.append(f"{role}={name or key or 'none'}")
     return ", ".join(spelled)
 
