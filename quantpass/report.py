@@ -60,10 +60,11 @@ def formats_table(markdown: bool = False) -> str:
 
 
 def config_label(config: QuantizationConfig) -> str:
-    """'fp8_per_channel' when linears and experts agree, else 'linear X, moe Y'."""
+    """'fp8_per_channel' when linears and experts agree, else 'linear X, moe Y'; a config that names
+    no weight format runs the formats a checkpoint declared."""
     linear, moe = (None if s is None else s.name() for s in (config.linear, config.moe))
     if linear == moe:
-        return linear or "nothing"
+        return linear or "the checkpoint's formats"
     return ", ".join(f"{kind} {name}" for kind, name in (("linear", linear), ("moe", moe)) if name)
 
 

@@ -222,11 +222,16 @@ class WeightCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def nbytes(self) -> int:
-        """Bytes of the distinct tensors the cache holds (what quantpass adds to a process)."""
+    def nbytes(self, params: Sequence[torch.Tensor] | None = None) -> int:
+        """Bytes of the distinct tensors the cache holds (what quantpass adds to a process); with
+        `params`, only the quantized values of those parameters (e.g. a checkpoint's, as loaded)."""
         seen, total = set(), 0
-        tensors = [t for _, value in self._entries.values() for t in (value[1] if isinstance(value, tuple) else ())]
-        tensors += [t for r in self._records.values() for qt in r.canonical.values() for t in qt.tensors()]
+        if params is None:
+            entries, records = self._entries.values(), self._records.values()
+        else:
+            entries, records = (), [self._records[id(p)] for p in params if id(p) in self._records]
+        tensors = [t for _, value in entries for t in (value[1] if isinstance(value, tuple) else ())]
+        tensors += [t for r in records for qt in r.canonical.values() for t in qt.tensors()]
         for t in tensors:
             if t is None:
                 continue

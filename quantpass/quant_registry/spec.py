@@ -71,6 +71,10 @@ for _weight, _activation in SHORTHANDS.values():
     DEFAULT_ACTIVATION.setdefault(_weight, _activation)
 
 
+class WeightFormatConflict(ValueError):
+    """A config asks a pre-quantized layer for another weight format (without requantize)."""
+
+
 def _invalid(field: str, value, valid: Iterable[str]) -> ValueError:
     return ValueError(f"invalid {field} {value!r}; valid: {', '.join(sorted(set(valid)))}")
 
@@ -265,7 +269,7 @@ class QuantizationConfig:
         if "weight" in spec.fields_set and spec.weight != declared.weight:
             if requantize:
                 return spec, f"{reason} (re-quantized from the {source} weights)"
-            raise ValueError(
+            raise WeightFormatConflict(
                 f"layer {fqn!r}: the {source} weights are {declared.weight}; {reason} asks for {spec.weight}: "
                 "drop it, or pass requantize=True to quantize again from the dequantized weights"
             )
