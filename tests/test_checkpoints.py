@@ -314,6 +314,20 @@ def test_describe_and_detect(checkpoints, tmp_path):
         qp.checkpoints.detect(str(tmp_path))
 
 
+def test_a_graph_dynamo_reuses_from_a_plain_twin_never_reads_freed_weights(checkpoints, caplog):
+    """Two equal backends: Dynamo serves the twin's graph (no sites) to the checkpoint model of the
+    same class. It must restore the released weights (with a warning), not read freed storage."""
+    path = os.path.join(checkpoints, "W4A16_NVFP4")
+    twin = qp.checkpoints.dequantized(qp.from_pretrained(path))
+    model = qp.from_pretrained(path)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = torch.compile(twin, backend=qp.backend(lowering="eager"))(EVAL_IDS).logits.float()
+        got = torch.compile(model, backend=qp.backend(lowering="eager"))(EVAL_IDS).logits.float()
+    assert cosine(got, expected) > 0.9999
+    assert "a graph Dynamo compiled for another instance of the class" in caplog.text
+
+
 # ---------------------------------------------------------------------------- the command line
 CLI_RUN = ["--lowering", "aot_eager", "--new-tokens", "2", "--prompt-length", "8", "--rounds", "1"]
 
