@@ -78,7 +78,7 @@ def _mha_projections(a: dict) -> list[tuple[str, str, str | None]]:
 
 
 def _mha_unsupported(a: dict) -> str | None:
-    if a["training"] and a["dropout_p"] > 0:
+    if a["training"] and (isinstance(a["dropout_p"], fx.Node) or a["dropout_p"] > 0):  # a node: dynamic
         return "dropout in training mode"
     if a["static_k"] is not None or a["static_v"] is not None:
         return "static_k/static_v"
@@ -87,7 +87,7 @@ def _mha_unsupported(a: dict) -> str | None:
 
 def _mha_kwargs(a: dict, slots: dict) -> dict:
     keep = ("query", "key", "value", "num_heads", "bias_k", "bias_v", "add_zero_attn", "key_padding_mask")
-    keep += ("need_weights", "attn_mask", "average_attn_weights", "is_causal")
+    keep += ("need_weights", "attn_mask", "average_attn_weights", "is_causal", "dropout_p")
     kwargs = {name: a[name] for name in keep}
     kwargs["in_bias"] = a["in_proj_bias"] if a["use_separate_proj_weight"] else None
     return {**kwargs, **slots}

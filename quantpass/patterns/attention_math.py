@@ -79,8 +79,11 @@ def multi_head_attention(
     attn_mask: torch.Tensor | None = None,
     average_attn_weights: bool = True,
     is_causal: bool = False,
+    dropout_p: float = 0.0,
 ):
-    """`F.multi_head_attention_forward` in eval mode (sequence-first), projections through slots."""
+    """`F.multi_head_attention_forward` in eval mode (sequence-first), projections through slots.
+    `dropout_p` is taken and not applied, as PyTorch does outside training (the graph passes it on:
+    under `dynamic=True` it is a symbolic float that must keep a user)."""
     is_batched = query.dim() == 3
     if not is_batched:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
