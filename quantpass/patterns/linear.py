@@ -174,4 +174,6 @@ def find_linear_sites(graph: fx.Graph, example_inputs, claimed=frozenset(), expe
         elif _feeds_topk(node):
             site.default_ignore = "MoE router: its outputs pick experts"
         sites.append(site)
-    return sites
+    from .attention import find_attention_sites  # its sites are linear sites: a cycle
+
+    return sites + find_attention_sites(graph, params, claimed)
