@@ -286,10 +286,20 @@ def _guard_eager_use() -> None:
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
 
 
+_READS_CHILD_WEIGHTS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> release epoch checked
+
+
 def _restore_before_eager_use(module, args):
     if torch.compiler.is_compiling():
         return
-    for param in module._parameters.values():
+    if _CHECKED.get(module) == WEIGHTS.release_epoch:  # nothing released since its last eager call
+        return
+    _CHECKED[module] = WEIGHTS.release_epoch
+    # A few torch modules read their children's weights without calling them (MultiheadAttention's
+    # out_proj, the encoder layer's fast path); any other module's children get their own call.
+    params = module.parameters() if isinstance(module, _READS_CHILD_WEIGHTS) else module._parameters.values()
+    for param in params:
         if param is not None and WEIGHTS.is_released(param):
             log = logger.debug if _EAGER_GUARD[1:] else logger.warning  # one warning per process
             _EAGER_GUARD.append(True)

@@ -335,12 +335,6 @@ def test_direct_native_attention_call_is_quantized():
     assert cosine(expected, got) >= FLOOR["int8_weight_only"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RuntimeError,
-    reason="weight_cache's eager guard restores a module's own parameters only; nn.MultiheadAttention "
-    "reads out_proj.weight (the encoder layer's fast path every projection) without calling its module",
-)
 @pytest.mark.parametrize("make", [lambda: Attention(), lambda: _encoder_layer()], ids=["mha", "encoder-layer"])
 def test_eager_call_after_compile_gets_released_weights_back(make):
     """After a compile released the quantized weights, the model run eagerly gets them back."""
