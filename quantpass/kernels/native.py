@@ -171,7 +171,7 @@ def _fp8(x: torch.Tensor, weight: QTensor, xq: QTensor) -> torch.Tensor:
     """Per-tensor or per-row FP8. Bias is added after the GEMM in every path: CUDA's `_scaled_mm`
     takes only a bf16/fp16 bias and none with fp32 output, and Inductor fuses the add anyway."""
     scale_a, scale_b = xq.scale, weight.scale.reshape(1, -1)  # [M or 1, 1], [1, N or 1]
-    if x.device.type == "cpu":  # scalar scales are ~800x slower on CPU (DESIGN.md §7): go row-wise
+    if x.device.type == "cpu":  # scalar scales are ~800x slower on CPU (docs/design.md §7): go row-wise
         scale_a = scale_a.expand(x.shape[0], 1).contiguous()
         scale_b = scale_b.expand(1, weight.shape[0]).contiguous()
     return torch._scaled_mm(

@@ -3,7 +3,7 @@
 Candidates are data: one literal table per kind, `(weight key, activation key) -> backends in
 priority order`, reordered per device type by `PRIORITY_BY_DEVICE`. Capability lives with each kernel
 module (`supports(kind, capability, weight, activation, problem) -> (ok, reason)`). Precedence
-(DESIGN.md §5): a backend the user named > `QUANTPASS_DISABLED_BACKENDS` > auto priority. A named
+(docs/design.md §5): a backend the user named > `QUANTPASS_DISABLED_BACKENDS` > auto priority. A named
 backend that can't run raises with its reason; auto with nothing left raises listing every rejection.
 
 Two device rules on top of the tables: a backend that says it runs a pair by emulation (its reason
@@ -89,8 +89,8 @@ MOE_CANDIDATES: dict[Pair, list[str]] = {
 CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
 
 # Platform-gated priorities: the same backends, reordered for one device type. CPU has no FP8
-# matrix units: torch._scaled_mm emulates and ran at the reference's speed (4096x4096, 1 thread,
-# 2026-11-29: 141 vs 147 ms at M=1, 208 vs 220 ms at M=128), while tracing native's activation
+# matrix units: torch._scaled_mm emulates and ran at the reference's speed (bench/README.md,
+# "Measurements behind choices in the code"), while tracing native's activation
 # quantization into every graph made the dense preset compile 1.5x plain Inductor (the opaque
 # reference op: 1.0x). Native stays available by name.
 # fmt: off
@@ -111,7 +111,7 @@ def candidates(kind: str, pair: Pair, device: str) -> list[str] | None:
 
 
 # Backends the oracle never picks on its own on a device type (a user may still name them):
-# Triton on CPU runs only under the interpreter, ~6 ms per program per K step (DESIGN.md §7).
+# Triton on CPU runs only under the interpreter, ~6 ms per program per K step (docs/design.md §7).
 NOT_AUTO_ON = {"cpu": {"triton"}}
 
 # A `supports` reason starting with this word marks an emulated path (e.g. Triton's tl.dot_scaled

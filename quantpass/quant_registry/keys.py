@@ -1,6 +1,6 @@
 """QuantKey: what a quantized operand is made of (element dtype, scales, grouping).
 
-Convention (DESIGN.md §4): a group shape is (rows, cols) in the operand's own layout, `-1` meaning
+Convention (docs/design.md §4): a group shape is (rows, cols) in the operand's own layout, `-1` meaning
 the whole extent. Activations are `[M, K]`, weights `[N, K]` as in `nn.Linear`, so per-token
 activations and per-output-channel weights are both `(1, -1)`. Weights use static keys (scales
 computed once from the weight), activations dynamic keys (scales computed per call).

@@ -10,7 +10,7 @@ SM100 and upcast to bf16 by Triton before the MMA below it. On CPU only under Tr
 (`TRITON_INTERPRET=1`), which the oracle never picks by itself: it is for tests. No shape rules:
 weights arrive with K padded to their group (formats.py) and every load is masked, so any M, N, K.
 
-This module imports no triton at import time (DESIGN.md §3): kernels live in submodules loaded on
+This module imports no triton at import time (docs/design.md §5): kernels live in submodules loaded on
 first use. On CUDA the graph ops are `torch.library.triton_op`s, so Inductor sees the kernels.
 """
 
@@ -104,7 +104,7 @@ def graph_linear_op(device_type: str):
 
 def graph_moe_op(device_type: str):
     """On CUDA, a `triton_op` with `quantpass::fused_moe`'s arguments; elsewhere None (the generic
-    custom op then calls `fused_moe`: DESIGN.md §7, triton_op can't be compiled on CPU)."""
+    custom op then calls `fused_moe`: triton_op can't be compiled on CPU, docs/design.md §7)."""
     return _graph_ops()[1] if device_type == "cuda" else None
 
 
