@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..quant_registry.formats import dequantize, unpack_int4
 from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
 from ..quant_registry.qtensor import QTensor
-from . import cpu_avx2, ops, reference
+from . import cpu_avx2, ops, reference, registry
 from .reference import fake_quantize
 
 logger = logging.getLogger("quantpass")
@@ -267,6 +267,9 @@ def graph_linear_op(device_type: str):
     """On CPU, `quantpass::linear_cpu` (a plain torch.library op: the generic `quantpass::linear` is a
     `custom_op`, ~20 us more per call, measured in bench/cpu_decode.py)."""
     return torch.ops.quantpass.linear_cpu.default if device_type == "cpu" else None
+
+
+graph_moe_op = registry.no_graph_op  # MoE goes through the generic quantpass::fused_moe
 
 
 def _graph_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):

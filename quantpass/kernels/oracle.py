@@ -15,7 +15,6 @@ GPU kernels support them (see `HIP_REFUSAL`).
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 import logging
 from dataclasses import dataclass, field
@@ -41,11 +40,12 @@ from ..quant_registry.keys import (
     kNvfp4Dynamic,
     kNvfp4Static,
 )
-from ..quant_registry.spec import BACKEND_NAMES, KINDS
+from ..quant_registry.spec import KINDS
+from .registry import BACKEND_NAMES, BACKENDS
+from .registry import backend as backend_module  # the one registry of backends (kernels/registry.py)
 
 logger = logging.getLogger("quantpass")
 
-BACKENDS = tuple(b for b in BACKEND_NAMES if b != "auto")
 Pair = tuple[QuantKey, "QuantKey | None"]
 
 # fmt: off
@@ -126,14 +126,6 @@ HIP_REFUSAL = (
 )
 HIP_BACKENDS = frozenset({"reference"})
 
-MODULES = {
-    "reference": "quantpass.kernels.reference",
-    "native": "quantpass.kernels.native",
-    "triton": "quantpass.kernels.triton",
-    "cpu": "quantpass.kernels.cpu",
-    "flashinfer": "quantpass.kernels.flashinfer",
-}
-
 
 @dataclass(frozen=True)
 class Capability:
@@ -187,12 +179,6 @@ class Selection:
 
 class NoKernelError(ValueError):
     """No backend can run a site (named one refused, or auto found none)."""
-
-
-def backend_module(name: str):
-    if name not in MODULES:
-        raise ValueError(f"invalid backend {name!r}; valid: {', '.join(sorted(BACKEND_NAMES))}")
-    return importlib.import_module(MODULES[name])
 
 
 def variants(kind: str, backend: str, weight: QuantKey) -> list[QuantKey | None]:

@@ -12,11 +12,11 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
+from ..kernels.registry import BACKEND_NAMES  # names only: imports no kernel
 from .keys import KEYS, STATIC_ACTIVATION_KEYS, QuantKey
 from .named_formats import DEFAULT_ACTIVATION, ROLE_NAMES, SHORTHANDS  # views of the one format table
 
 KINDS = ("linear", "moe")
-BACKEND_NAMES = ("auto", "cpu", "flashinfer", "native", "reference", "triton")
 ROLES = ("weight", "activation")
 
 

@@ -22,6 +22,7 @@ import torch
 
 from ...quant_registry.keys import QuantKey
 from ...quant_registry.qtensor import QTensor
+from .. import registry
 from ..reference import ACTIVATIONS
 from .scheme import GemmScheme, activation_scheme, gemm_scheme
 
@@ -79,6 +80,11 @@ def _dot_scaled_path(scheme: GemmScheme, sm: int, m: int | None) -> str:
 
 def _has_e4m3(scheme: GemmScheme) -> bool:
     return scheme.a_format == "fp8" or scheme.b_format == "fp8" or scheme.has_scale2  # NVFP4: e4m3 scales
+
+
+# The backend contract's defaults (kernels/registry.py): the kernels read the canonical layout.
+prepare_weight, prepare_moe_weights = registry.keep_layout, registry.keep_moe_layout
+dequantize_prepared = registry.dequantize_canonical
 
 
 def linear(x2d: torch.Tensor, weight: QTensor, activation_key: QuantKey | None, bias: torch.Tensor | None):
