@@ -4,7 +4,7 @@ format added in a test runs end to end through torch.compile on the reference ba
 import pytest
 import torch
 from tiny_models import token_ids
-from tiny_moe_models import tiny_moe
+from tiny_moe_models import eager_and_compiled_logits, tiny_moe
 
 import quantpass as qp
 from quantpass.kernels import oracle
@@ -66,12 +66,8 @@ def test_a_format_registered_here_runs_end_to_end(int8_group64):
     assert "int8_group64" in formats_table()
 
     model = tiny_moe("mixtral", "batched_mm", dtype=torch.float32)
-    ids = token_ids(length=9)
     backend = qp.backend(linear="int8_group64", moe="int8_group64", lowering="aot_eager")
-    torch._dynamo.reset()
-    with torch.no_grad():
-        reference_logits = model(ids).logits
-        logits = torch.compile(model, backend=backend)(ids).logits
+    reference_logits, logits = eager_and_compiled_logits(model, token_ids(length=9), backend)
     rows = [row for row in backend.plan.rows if row.quantized]
     assert {row.kind for row in rows} == {"linear", "moe"}, backend.plan
     assert all(row.format == "int8_group64" and row.backend == "reference" for row in rows), backend.plan

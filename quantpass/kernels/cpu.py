@@ -167,7 +167,7 @@ def linear(x: torch.Tensor, weight: QTensor, activation, bias: torch.Tensor | No
         x = fake_quantize(x, activation).to(x.dtype)
     weight = prepare_weight("linear", weight)
     if x.shape[0] > kernel_max_m(weight):
-        out = _dequantized_matmul(x, weight)
+        out = _large_m_matmul(x, weight)
     elif _on_our_kernel(weight):
         return _our_kernel(x, weight, bias)
     else:
@@ -195,7 +195,8 @@ def _contiguous(weight: QTensor) -> QTensor:
     return QTensor(data, scale, None, weight.key, weight.shape, weight.dtype)
 
 
-def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+def _large_m_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    """Above the kernels' largest M: one matmul on the dequantized weight (INT8's scale after it)."""
     dtype = x.dtype if NATIVE_LOW_PRECISION_MATMUL else torch.float32
     x = _padded(x, weight).to(dtype)
     if weight.key == kInt8StaticChannelSym:  # a per-channel scale commutes with the matmul: scale [M, N]

@@ -22,24 +22,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import envs
-from ..quant_registry.keys import (
-    QuantKey,
-    kFp8Dynamic128Sym,
-    kFp8DynamicTensorSym,
-    kFp8DynamicTokenSym,
-    kFp8Static128BlockSym,
-    kFp8StaticChannelSym,
-    kFp8StaticTensorSym,
-    kInt4StaticGroup128Sym,
-    kInt8DynamicTokenSym,
-    kInt8StaticChannelSym,
-    kMxfp4Static,
-    kMxfp8Dynamic,
-    kMxfp8Static,
-    kNvfp4CalibratedGlobal,
-    kNvfp4Dynamic,
-    kNvfp4Static,
-)
+from ..quant_registry import keys as k
+from ..quant_registry.keys import QuantKey
 from ..quant_registry.spec import KINDS
 from .registry import BACKEND_NAMES, BACKENDS
 from .registry import backend as backend_module  # the one registry of backends (kernels/registry.py)
@@ -50,40 +34,40 @@ Pair = tuple[QuantKey, "QuantKey | None"]
 
 # fmt: off
 LINEAR_CANDIDATES: dict[Pair, list[str]] = {
-    (kFp8StaticTensorSym,    kFp8DynamicTensorSym): ["native", "triton", "reference"],
-    (kFp8StaticChannelSym,   kFp8DynamicTokenSym):  ["native", "triton", "reference"],
-    (kFp8Static128BlockSym,  kFp8Dynamic128Sym):    ["native", "triton", "reference"],
-    (kMxfp8Static,           kMxfp8Dynamic):        ["flashinfer", "native", "triton", "reference"],
-    (kMxfp4Static,           None):                 ["triton", "native", "reference"],
-    (kMxfp4Static,           kMxfp8Dynamic):        ["triton", "reference"],
-    (kNvfp4Static,           kNvfp4Dynamic):        ["native", "reference"],
-    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["cpu", "native", "triton", "reference"],
-    (kFp8StaticChannelSym,   None):                 ["triton", "native", "reference"],
-    (kInt8StaticChannelSym,  None):                 ["cpu", "triton", "native", "reference"],
-    (kInt4StaticGroup128Sym, None):                 ["cpu", "triton", "native", "reference"],
-    (kNvfp4Static,           None):                 ["triton", "native", "reference"],
+    (k.kFp8StaticTensorSym,    k.kFp8DynamicTensorSym): ["native", "triton", "reference"],
+    (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["native", "triton", "reference"],
+    (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["native", "triton", "reference"],
+    (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "native", "triton", "reference"],
+    (k.kMxfp4Static,           None):                   ["triton", "native", "reference"],
+    (k.kMxfp4Static,           k.kMxfp8Dynamic):        ["triton", "reference"],
+    (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["native", "reference"],
+    (k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym): ["cpu", "native", "triton", "reference"],
+    (k.kFp8StaticChannelSym,   None):                   ["triton", "native", "reference"],
+    (k.kInt8StaticChannelSym,  None):                   ["cpu", "triton", "native", "reference"],
+    (k.kInt4StaticGroup128Sym, None):                   ["cpu", "triton", "native", "reference"],
+    (k.kNvfp4Static,           None):                   ["triton", "native", "reference"],
     # static activation scales (a pre-quantized checkpoint's input_scale): the reference backend only
-    (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
-    (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
-    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
+    (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["reference"],
+    (k.kNvfp4Static,           k.kNvfp4CalibratedGlobal): ["reference"],
+    (k.kFp8Static128BlockSym,  None):                     ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 
 MOE_CANDIDATES: dict[Pair, list[str]] = {
-    (kFp8StaticTensorSym,    kFp8DynamicTensorSym): ["triton", "reference"],
-    (kFp8StaticChannelSym,   kFp8DynamicTokenSym):  ["triton", "reference"],
-    (kFp8Static128BlockSym,  kFp8Dynamic128Sym):    ["triton", "reference"],
-    (kMxfp8Static,           kMxfp8Dynamic):        ["flashinfer", "triton", "reference"],
-    (kMxfp4Static,           None):                 ["triton", "reference"],
-    (kMxfp4Static,           kMxfp8Dynamic):        ["triton", "reference"],
-    (kNvfp4Static,           kNvfp4Dynamic):        ["reference"],
-    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["triton", "cpu", "reference"],
-    (kFp8StaticChannelSym,   None):                 ["triton", "reference"],
-    (kInt8StaticChannelSym,  None):                 ["triton", "native", "cpu", "reference"],
-    (kInt4StaticGroup128Sym, None):                 ["triton", "cpu", "reference"],
-    (kNvfp4Static,           None):                 ["triton", "reference"],
-    (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
-    (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
-    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
+    (k.kFp8StaticTensorSym,    k.kFp8DynamicTensorSym): ["triton", "reference"],
+    (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["triton", "reference"],
+    (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["triton", "reference"],
+    (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "triton", "reference"],
+    (k.kMxfp4Static,           None):                   ["triton", "reference"],
+    (k.kMxfp4Static,           k.kMxfp8Dynamic):        ["triton", "reference"],
+    (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["reference"],
+    (k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym): ["triton", "cpu", "reference"],
+    (k.kFp8StaticChannelSym,   None):                   ["triton", "reference"],
+    (k.kInt8StaticChannelSym,  None):                   ["triton", "native", "cpu", "reference"],
+    (k.kInt4StaticGroup128Sym, None):                   ["triton", "cpu", "reference"],
+    (k.kNvfp4Static,           None):                   ["triton", "reference"],
+    (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["reference"],
+    (k.kNvfp4Static,           k.kNvfp4CalibratedGlobal): ["reference"],
+    (k.kFp8Static128BlockSym,  None):                     ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 # fmt: on
 CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
@@ -96,8 +80,8 @@ CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
 # fmt: off
 CPU_PRIORITY = {
     "linear": {
-        (kFp8StaticTensorSym,  kFp8DynamicTensorSym): ["reference", "native", "triton"],
-        (kFp8StaticChannelSym, kFp8DynamicTokenSym):  ["reference", "native", "triton"],
+        (k.kFp8StaticTensorSym,  k.kFp8DynamicTensorSym): ["reference", "native", "triton"],
+        (k.kFp8StaticChannelSym, k.kFp8DynamicTokenSym):  ["reference", "native", "triton"],
     },
 }
 # fmt: on

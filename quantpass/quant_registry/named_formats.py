@@ -12,24 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .keys import (
-    QuantKey,
-    kFp8Dynamic128Sym,
-    kFp8DynamicTensorSym,
-    kFp8DynamicTokenSym,
-    kFp8Static128BlockSym,
-    kFp8StaticChannelSym,
-    kFp8StaticTensorSym,
-    kInt4StaticGroup128Sym,
-    kInt8DynamicTokenSym,
-    kInt8StaticChannelSym,
-    kMxfp4Dynamic,
-    kMxfp4Static,
-    kMxfp8Dynamic,
-    kMxfp8Static,
-    kNvfp4Dynamic,
-    kNvfp4Static,
-)
+from . import keys as k
+from .keys import QuantKey
 
 # Verify's SQNR floor by the narrowest quantized operand's bits (docs/design.md §8): far below what a
 # working kernel gives (8-bit ~28-31 dB, 4-bit ~17-20 dB on Gaussian data), far above a broken one.
@@ -86,17 +70,17 @@ class Format:
 # (`DEFAULT_ACTIVATION`), and the first row with a given pair is the pair's name (`QuantSpec.name`).
 # fmt: off
 FORMATS: dict[str, Format] = {f.name: f for f in (
-    Format("fp8_per_tensor",    kFp8StaticTensorSym,    kFp8DynamicTensorSym),
-    Format("fp8_per_channel",   kFp8StaticChannelSym,   kFp8DynamicTokenSym, aliases=("fp8_per_token",)),
-    Format("fp8_per_block",     kFp8Static128BlockSym,  kFp8Dynamic128Sym),
-    Format("mxfp8",             kMxfp8Static,           kMxfp8Dynamic),
-    Format("nvfp4",             kNvfp4Static,           kNvfp4Dynamic),
-    Format("int8_per_channel",  kInt8StaticChannelSym,  kInt8DynamicTokenSym, aliases=("int8_per_token",)),
-    Format("mxfp4",             kMxfp4Static,           kMxfp4Dynamic, default_activation=None),
-    Format("fp8_weight_only",   kFp8StaticChannelSym,   None),
-    Format("int8_weight_only",  kInt8StaticChannelSym,  None),
-    Format("int4_weight_only",  kInt4StaticGroup128Sym, None, aliases=("int4_per_group",)),
-    Format("nvfp4_weight_only", kNvfp4Static,           None),
+    Format("fp8_per_tensor",    k.kFp8StaticTensorSym,    k.kFp8DynamicTensorSym),
+    Format("fp8_per_channel",   k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym, aliases=("fp8_per_token",)),
+    Format("fp8_per_block",     k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym),
+    Format("mxfp8",             k.kMxfp8Static,           k.kMxfp8Dynamic),
+    Format("nvfp4",             k.kNvfp4Static,           k.kNvfp4Dynamic),
+    Format("int8_per_channel",  k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym, aliases=("int8_per_token",)),
+    Format("mxfp4",             k.kMxfp4Static,           k.kMxfp4Dynamic, default_activation=None),
+    Format("fp8_weight_only",   k.kFp8StaticChannelSym,   None),
+    Format("int8_weight_only",  k.kInt8StaticChannelSym,  None),
+    Format("int4_weight_only",  k.kInt4StaticGroup128Sym, None, aliases=("int4_per_group",)),
+    Format("nvfp4_weight_only", k.kNvfp4Static,           None),
 )}
 # fmt: on
 
