@@ -55,7 +55,7 @@ class Format:
     @property
     def bits(self) -> int:
         """The narrowest quantized operand's bits."""
-        return min(k.bits for k in self.pair if k is not None)
+        return min(key.bits for key in self.pair if key is not None)
 
     @property
     def verify_floor_db(self) -> float:
@@ -131,7 +131,7 @@ def floor_db(weight: QuantKey, activation: QuantKey | None) -> float:
     fmt = format_for((weight, activation))
     if fmt is not None:
         return fmt.verify_floor_db
-    return FLOOR_DB_BY_BITS[min(k.bits for k in (weight, activation) if k is not None)]
+    return FLOOR_DB_BY_BITS[min(key.bits for key in (weight, activation) if key is not None)]
 
 
 _derive()
