@@ -7,7 +7,8 @@ from collections import Counter
 from .kernels.oracle import CANDIDATES, REFERENCE_CAPABILITIES, kernel_table
 from .measure import Measurement, logits_agreement, speedup
 from .plan import Plan
-from .quant_registry.spec import ROLE_NAMES, SHORTHANDS, QuantizationConfig
+from .quant_registry.named_formats import ROLE_NAMES, SHORTHANDS, format_for
+from .quant_registry.spec import QuantizationConfig
 
 
 def table(headers, rows, markdown: bool = False) -> str:
@@ -27,11 +28,11 @@ def format_rows() -> list[list[str]]:
     """One row per (name, kind): name, weight key, activation key, kind, then the backends that
     can run it on each reference device, in the oracle's priority order."""
     backends = {(row["kind"], row["weight"], row["activation"]): row["backends"] for row in kernel_table()}
-    names = {pair: name for name, pair in reversed(SHORTHANDS.items())}  # first shorthand per pair wins
     pairs = list(dict.fromkeys([*SHORTHANDS.values(), *(p for table in CANDIDATES.values() for p in table)]))
     rows = []
     for weight, activation in pairs:
-        name = names.get((weight, activation)) or _role_spelling(weight, activation)
+        fmt = format_for((weight, activation))
+        name = fmt.name if fmt is not None else _role_spelling(weight, activation)
         for kind in CANDIDATES:
             per_device = backends.get((kind, weight, activation))
             if per_device is None:

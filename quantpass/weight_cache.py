@@ -1,7 +1,7 @@
 """Quantized weights keyed by the parameter objects actually passed, never baked into a graph.
 
 Dynamo reuses one compiled graph for every instance of a module class, so the runtime wrapper asks
-this cache for each call's weights (docs/design.md, "Weights"). Two levels:
+this cache for each call's weights (docs/design.md §3). Two levels:
 
 - a `ParamRecord` per parameter (held weakly: it dies with its parameter) says whether the
   parameter changed since its quantized copies were built: `_version` (in-place writes such as
