@@ -167,7 +167,7 @@ class Measurement:
     config: dict | None
     compile: CompileCost
     weight_bytes: int  # parameters, quantized sites at their quantized bytes
-    resident_bytes: int  # what the process holds for the weights (`storage_bytes` + quantpass's cache)
+    resident_bytes: int  # what the process holds for the weights (`storage_bytes` + quantpass's cache for them)
     prompt_tokens: int
     tokens: list[int] = field(repr=False)
     logits: torch.Tensor = field(repr=False)
@@ -223,7 +223,6 @@ def measure(
     compiled = torch.compile(model, backend=backend)
     prompt = ids.clone()
     torch._dynamo.mark_dynamic(prompt, SEQUENCE_DIM)
-    cached_before = WEIGHTS.nbytes() - WEIGHTS.nbytes(unique_parameters(model))  # its own count (loaded quantized)
     with torch.no_grad():
         output, cost = _first_call(compiled, prompt, lowering)
         tokens, _ = greedy_generate(compiled, ids, new_tokens)
@@ -233,7 +232,7 @@ def measure(
         config=None if config is None else config.to_dict(),
         compile=cost,
         weight_bytes=weight_bytes(model) if plan is None else quantized_weight_bytes(model, plan),
-        resident_bytes=storage_bytes(model) + WEIGHTS.nbytes() - cached_before,
+        resident_bytes=storage_bytes(model) + WEIGHTS.nbytes(unique_parameters(model)),
         prompt_tokens=ids.shape[SEQUENCE_DIM],
         tokens=tokens.flatten().tolist(),
         logits=_logits(output).float(),

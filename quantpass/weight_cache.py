@@ -224,12 +224,14 @@ class WeightCache:
 
     def nbytes(self, params: Sequence[torch.Tensor] | None = None) -> int:
         """Bytes of the distinct tensors the cache holds (what quantpass adds to a process); with
-        `params`, only the quantized values of those parameters (e.g. a checkpoint's, as loaded)."""
+        `params`, only what it holds for those parameters (one model's share)."""
         seen, total = set(), 0
         if params is None:
             entries, records = self._entries.values(), self._records.values()
         else:
-            entries, records = (), [self._records[id(p)] for p in params if id(p) in self._records]
+            ids = {id(p) for p in params}
+            entries = [value for key, value in self._entries.items() if ids.intersection(key[:-1])]
+            records = [self._records[i] for i in ids if i in self._records]
         tensors = [t for _, value in entries for t in (value[1] if isinstance(value, tuple) else ())]
         tensors += [t for r in records for qt in r.canonical.values() for t in qt.tensors()]
         for t in tensors:
