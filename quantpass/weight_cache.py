@@ -213,6 +213,10 @@ class WeightCache:
         self._entries[key] = (tuple(map(self.generation, params)), value)
         return value
 
+    def drop(self, params: Sequence[torch.Tensor], token: Hashable) -> None:
+        """Forget what `get(params, token, ...)` built: the next `get` builds again."""
+        self._entries.pop((*map(id, params), token), None)
+
     def _forget(self, param_id: int) -> None:
         self._finalizers.pop(param_id, None)
         self._records.pop(param_id, None)

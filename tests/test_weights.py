@@ -84,6 +84,16 @@ def test_no_recompile_and_each_instance_its_own_weights():
     assert all(released(block)["up.weight"] and released(block)["down.weight"] for block in blocks)
 
 
+def test_a_compile_that_keeps_the_originals_then_one_that_frees_them():
+    """The second compile finds the first one's build in the cache (same weights, same layout), which
+    recorded nothing to restore from: it builds again rather than failing to free the weights."""
+    model, x = Block(), torch.randn(4, 64)
+    _, _, kept = compile_once(model, x, linear="int8_weight_only", keep_original_weights=True)
+    assert not any(released(model).values())
+    _, _, freed = compile_once(model, x, linear="int8_weight_only")
+    assert torch.equal(kept, freed) and released(model)["up.weight"] and released(model)["down.weight"]
+
+
 def test_load_weights_streams_into_the_cache():
     model, x = Block(), torch.randn(4, 64)
     compiled, _, _ = compile_once(model, x, linear="int8_weight_only")

@@ -63,6 +63,9 @@ class _Builder:
         if id(q) in self.done:
             return
         self.done.add(id(q))
+        params = [self.example_inputs[i] for i in q.binding.param_indices]
+        if any(release and not WEIGHTS.canonical_values(p) for p, release in zip(params, q.binding.release)):
+            WEIGHTS.drop(params, q.binding.token)  # built by a graph that kept the originals: build to free them
         q.binding.qtensors(self.example_inputs)  # quantize (cached: shared bindings build once)
         token = verify_token(q, self.example_inputs)
         if self.verify and token not in self.verified:
