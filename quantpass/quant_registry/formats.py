@@ -53,10 +53,69 @@ SEARCH_CHUNK = 1 << 18  # elements x candidates per step of the scale search: ~1
 
 @functools.cache
 def _fp4_codec():
-    """torchao's e2m1 round-to-nearest-even conversion and low-nibble-first packing."""
+    """torchao's e2m1 round-to-nearest-even conversion and low-nibble-first packing: the definition
+    the lookup tables below are built from (and what tests compare them with)."""
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked, pack_uint4, unpack_uint4
 
     return f32_to_f4_unpacked, f4_unpacked_to_f32, pack_uint4, unpack_uint4
+
+
+@functools.cache
+def _fp4_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(code per key, value per key, the two values per packed byte) for `_fp4_key`'s 8192 keys.
+
+    torchao's conversion of an fp32 value depends only on its top 12 bits and on whether any of the
+    low 20 bits is set: its round-to-nearest-even adds 2^21 - 1 plus the kept lowest bit to the bits
+    and shifts by 22, with exponent/saturation branches decided by the top bits (NaN, Inf and fp32
+    subnormals included). So one representative per key, converted by torchao, is its result for
+    every input with that key: one gather instead of ~25 full-size passes (4x faster on CPU)."""
+    f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # real tables even if first used in a trace
+        top = torch.arange(4096, dtype=torch.int32, device="cpu") << 20
+        representatives = torch.stack([top, top | 1], dim=1).flatten().view(torch.float32)
+        codes = f32_to_f4(representatives.contiguous())
+        values = f4_to_f32(torch.arange(16, dtype=torch.uint8, device="cpu"))
+        pairs = torch.stack([values.repeat(16), values.repeat_interleave(16)], dim=1)  # byte b: (b & 15, b >> 4)
+        return codes, values[codes.long()], pairs
+
+
+def _fp4_key(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int32 `(top 12 bits) * 2 + (low 20 bits != 0)`, a flat index into `_fp4_tables`."""
+    bits = x.reshape(-1).view(torch.int32)
+    sticky = (bits & 0xFFFFF).add_(0xFFFFF).bitwise_right_shift_(20)  # 1 when any low bit is set
+    return (bits >> 20).bitwise_and_(0xFFF).bitwise_left_shift_(1).bitwise_or_(sticky)
+
+
+def _lookup(x: torch.Tensor) -> bool:
+    """The tables serve plain CPU tensors outside any trace. On other devices and while Dynamo or
+    AOTAutograd traces (fake / functional tensors), torchao's op sequence runs as before, so compiled
+    graphs keep their pointwise ops and no table is baked into them."""
+    return x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_compiling()
+
+
+def fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e2m1 codes (uint8, sign in bit 3), bit for bit torchao's `f32_to_f4_unpacked`,
+    saturating to +-6 (|x| >= 6, +-Inf)."""
+    if not _lookup(x):
+        return _fp4_codec()[0](x.contiguous())
+    return _fp4_tables()[0].index_select(0, _fp4_key(x)).view(x.shape)
+
+
+def fp4_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the e2m1 value each element rounds to (fp32), i.e. decode(fp4_codes(x))."""
+    if not _lookup(x):
+        f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
+        return f4_to_f32(f32_to_f4(x.contiguous()))
+    return _fp4_tables()[1].index_select(0, _fp4_key(x)).view(x.shape)
+
+
+def fp4_decode(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., C/2] (two codes per byte, first in the low nibble) -> fp32 [..., C]."""
+    if not _lookup(packed):
+        _, f4_to_f32, _, unpack = _fp4_codec()
+        return f4_to_f32(unpack(packed.contiguous()))
+    pairs = _fp4_tables()[2].index_select(0, packed.reshape(-1).to(torch.int32))
+    return pairs.view(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -200,13 +259,12 @@ def _grouped(x: torch.Tensor, key: QuantKey) -> torch.Tensor:
 
 def _round(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values already divided by their scale -> the nearest element value (saturating), as fp32."""
+    if dtype == FP4:  # saturates by itself: a clamp first changes no result
+        return fp4_round(scaled.float())
     limit = ELEMENTS[dtype].max
     scaled = scaled.clamp(-limit, limit)
     if dtype == FP8:
         return scaled.to(FP8).float()
-    if dtype == FP4:
-        f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
-        return f4_to_f32(f32_to_f4(scaled.contiguous()))
     return scaled.round_()  # clamp made a new tensor: round it in place
 
 
@@ -216,11 +274,10 @@ def _encode(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         limit = ELEMENTS[dtype].max
         scaled = scaled.clamp(-limit, limit)
         return (scaled if dtype == FP8 else scaled.round()).to(dtype)
-    values = _round(scaled, dtype)  # 4-bit: exact element values, then packed two per byte
-    if dtype == INT4:
-        return _pack_grouped(values, pack_int4)
-    f32_to_f4, _, pack, _ = _fp4_codec()
-    return _pack_grouped(f32_to_f4(values.contiguous()), pack)
+    if dtype == INT4:  # exact element values, then packed two per byte
+        return _pack_grouped(_round(scaled, dtype), pack_int4)
+    _, _, pack, _ = _fp4_codec()  # the codes of the rounded values are the codes of the values
+    return _pack_grouped(fp4_codes(scaled.float()), pack)
 
 
 def _pack_grouped(values: torch.Tensor, pack) -> torch.Tensor:
@@ -233,8 +290,7 @@ def _decode(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == INT4:
         return unpack_int4(data).float()
     if dtype == FP4:
-        _, f4_to_f32, _, unpack = _fp4_codec()
-        return f4_to_f32(unpack(data.contiguous()))
+        return fp4_decode(data)
     return data.float()
 
 
@@ -260,5 +316,9 @@ def _lowest_error_scale(groups: torch.Tensor, candidates: list[torch.Tensor], dt
         part, scale = groups[..., start : start + step, :, :, :], scales[..., start : start + step, :, :, :]
         scaled = part / scale
         error = _round(scaled, dtype).sub_(scaled).square_().sum(dim=(-3, -1), keepdim=True) * scale.square()
-        best[..., start : start + step, :, :, :] = scale.gather(0, error.argmin(0, keepdim=True)).squeeze(0)
+        chosen, least = scale[0], error[0]
+        for i in range(1, len(candidates)):  # argmin over dim 0 by hand: a strided reduction, 3x slower
+            better = error[i] < least  # strict: the first of equals wins, as argmin's
+            chosen, least = torch.where(better, scale[i], chosen), torch.where(better, error[i], least)
+        best[..., start : start + step, :, :, :] = chosen
     return best
