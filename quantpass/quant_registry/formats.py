@@ -48,6 +48,7 @@ ELEMENTS: dict[torch.dtype, Element] = {
 AMAX_EPS = 1e-12  # an all-zero group gets a tiny positive scale instead of a division by zero
 E4M3_MIN_SCALE = 2**-6  # NVFP4 block scales are clamped to e4m3's smallest normal, as torchao does
 INT4_CLIP_RATIOS = (1.0, 0.9, 0.8)  # clip candidates for INT4 weights (see _lowest_error_scale)
+QUANTIZE_CHUNK = 1 << 18  # elements of a big weight quantized at once (see _chunk_rows)
 SEARCH_CHUNK = 1 << 18  # elements x candidates per step of the scale search: ~1 MiB of fp32 in flight
 
 
@@ -158,7 +159,10 @@ def quantize(x: torch.Tensor, key: QuantKey, name: str = "tensor") -> QTensor:
         # NaN propagates through amax/amin, +-Inf is one of them: two reductions, no full-size temporary
         raise ValueError(f"cannot quantize {name} with {key}: it contains NaN or Inf")
     element = ELEMENTS[key.dtype]
-    if key.group_shape in (PER_ROW, PER_TENSOR) and key.scale.dtype == torch.float32 and not element.packed:
+    step = _chunk_rows(x, key)
+    if step:
+        return _quantize_in_chunks(x, key, step, shape, dtype)
+    if _whole_rows(key):
         return _quantize_whole_rows(x, key, element, shape, dtype)
     data, stored_scale, scale2 = _quantize_grouped(x, key)
     return QTensor(
@@ -171,8 +175,67 @@ def quantize(x: torch.Tensor, key: QuantKey, name: str = "tensor") -> QTensor:
     )
 
 
-def _quantize_grouped(x: torch.Tensor, key: QuantKey):
-    """The grouped formats' math: (data, stored scale, second-level scale or None)."""
+def _whole_rows(key: QuantKey) -> bool:
+    return (
+        key.group_shape in (PER_ROW, PER_TENSOR) and key.scale.dtype == torch.float32 and not ELEMENTS[key.dtype].packed
+    )
+
+
+def _chunk_rows(x: torch.Tensor, key: QuantKey) -> int:
+    """Rows per step for a big weight (static key) quantized a few rows at a time, else 0. Whole,
+    a 2816x1024 bf16 weight needed ~45 MiB of fp32 temporaries (8x its size); in steps of
+    `QUANTIZE_CHUNK` elements they stay near 1 MiB each (and in cache: faster too). A scale spanning
+    every row (per-tensor, NVFP4's second level) is computed first from the whole matrix."""
+    rows, cols = x.shape[-2:]
+    group_rows = key.group_shape.row
+    if not key.static or rows * cols <= 2 * QUANTIZE_CHUNK or (group_rows == -1 and not _whole_rows(key)):
+        return 0
+    step = max(1, QUANTIZE_CHUNK // cols)
+    if group_rows > 1:  # whole row groups per step
+        step = max(group_rows, step // group_rows * group_rows)
+    return step if step < rows else 0
+
+
+def _quantize_in_chunks(x: torch.Tensor, key: QuantKey, step: int, shape, dtype) -> QTensor:
+    """`quantize(x, key)` bit for bit, `step` rows at a time (per matrix), into preallocated outputs."""
+    if x.dim() > 2:  # experts: one matrix at a time
+        parts = [_quantize_in_chunks(m, key, step, m.shape, dtype) for m in x.reshape(-1, *x.shape[-2:])]
+        lead = x.shape[:-2]
+        data, scale = (torch.stack(t).unflatten(0, lead) for t in zip(*((p.data, p.scale) for p in parts)))
+        scale2 = None if key.scale2 is None else torch.stack([p.scale2 for p in parts]).unflatten(0, lead)
+        return QTensor(data, scale, scale2, key, shape, dtype)
+    element, rows = ELEMENTS[key.dtype], x.shape[0]
+    whole, group_rows = _whole_rows(key), max(key.group_shape.row, 1)
+    amax = None
+    if key.group_shape.row == -1 or key.scale2 is not None:  # the matrix's |x| max, as a 1x1 fp32 tensor
+        amax = torch.maximum(x.amax(), x.amin().neg()).float().clamp(min=AMAX_EPS).reshape(1, 1)
+    data = scale = scale2 = None
+    for start in range(0, rows, step):
+        part = x[start : start + step]
+        if whole:
+            per_tensor = None if amax is None else amax / element.max
+            qt = _quantize_whole_rows(part, key, element, part.shape, dtype, per_tensor)
+            part_data, part_scale = qt.data, qt.scale
+        else:
+            part_data, part_scale, scale2 = _quantize_grouped(
+                part, key, None if amax is None else amax.reshape(1, 1, 1, 1)
+            )
+        if data is None:
+            data = part_data.new_empty((rows, part_data.shape[-1]))
+            scale = (
+                part_scale
+                if amax is not None and whole
+                else part_scale.new_empty((-(-rows // group_rows), part_scale.shape[-1]))
+            )
+        data[start : start + step] = part_data
+        if not (amax is not None and whole):
+            scale[start // group_rows : start // group_rows + part_scale.shape[0]] = part_scale
+    return QTensor(data, scale, None if scale2 is None else scale2.reshape(1, 1), key, shape, dtype)
+
+
+def _quantize_grouped(x: torch.Tensor, key: QuantKey, amax2: torch.Tensor | None = None):
+    """The grouped formats' math: (data, stored scale, second-level scale or None). `amax2`: the
+    whole matrix's clamped |x| max when `x` is a slice of it (NVFP4's second-level scale)."""
     element = ELEMENTS[key.dtype]
     groups = _grouped(x.float(), key)  # [..., R/gr, gr, C/gc, gc]
     extent = dict(dim=(-3, -1), keepdim=True)
@@ -188,7 +251,7 @@ def _quantize_grouped(x: torch.Tensor, key: QuantKey):
             exponent = torch.log2(_lowest_error_scale(groups, candidates, key.dtype))
         scale, stored_scale = torch.exp2(exponent), (exponent + 127).to(torch.uint8)
     elif key.scale.dtype == FP8:  # NVFP4: e4m3 block scales under an fp32 per-matrix scale
-        scale2 = amax.amax(dim=(-4, -2), keepdim=True) / (448.0 * element.max)
+        scale2 = (amax.amax(dim=(-4, -2), keepdim=True) if amax2 is None else amax2) / (448.0 * element.max)
         stored_scale = (amax / element.max / scale2).clamp(E4M3_MIN_SCALE, 448.0).to(FP8)
         scale = stored_scale.float() * scale2
     elif key.dtype == INT4 and key.static:  # clip search: see INT4_CLIP_RATIOS
@@ -201,13 +264,15 @@ def _quantize_grouped(x: torch.Tensor, key: QuantKey):
     return data.contiguous(), stored_scale.squeeze(-1).squeeze(-2).contiguous(), scale2
 
 
-def _quantize_whole_rows(x, key: QuantKey, element: Element, shape, dtype) -> QTensor:
+def _quantize_whole_rows(x, key: QuantKey, element: Element, shape, dtype, scale=None) -> QTensor:
     """Per-row / per-tensor FP8 and INT8: the same numbers as the grouped path in a handful of ops.
     Native W8A8 graphs trace this once per linear: the grouped path's reshapes and padding checks
-    were 4.4 s of an 8.3 s Inductor compile of the dense preset (32 linears, measured 2026-11-29)."""
+    were 4.4 s of an 8.3 s Inductor compile of the dense preset (32 linears, measured 2026-11-29).
+    `scale`: the whole matrix's per-tensor scale when `x` is a slice of it."""
     values = x.float()
-    dims = (-1,) if key.group_shape == PER_ROW else (-2, -1)
-    scale = values.abs().amax(dim=dims, keepdim=True).clamp(min=AMAX_EPS) / element.max
+    if scale is None:
+        dims = (-1,) if key.group_shape == PER_ROW else (-2, -1)
+        scale = values.abs().amax(dim=dims, keepdim=True).clamp(min=AMAX_EPS) / element.max
     return QTensor(_encode(values / scale, key.dtype).contiguous(), scale, None, key, shape, dtype)
 
 
