@@ -74,3 +74,21 @@ def test_temporaries_stay_near_a_chunk(name):
     out = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, name], env=env, capture_output=True, text=True, check=True)
     peak = int(out.stdout.strip().splitlines()[-1])
     assert peak < 2.5 * 2816 * 1024 * 2, f"{name}: {peak / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("name", sorted(keys.KEYS))
+@pytest.mark.parametrize(
+    "shape", [(300, 200), (2, 256, 128), (0, 64), (37,)], ids=["odd", "experts", "no-rows", "vector"]
+)
+def test_dequantize_in_place_matches_expanded_scales(name, shape):
+    """`dequantize` scales whole groups in place through a view: the same products as multiplying
+    by `expand_scale`'s weight-sized scales (what it did before), bit for bit."""
+    key = keys.KEYS[name]
+    if key.static and not shape[0]:
+        pytest.skip("weights have rows")
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(2)) * 3
+    qt = formats.quantize(x, key)
+    values = formats._decode(qt.data, key.dtype)
+    rows, cols = values.shape[-2], x.shape[-1]
+    expected = (values * formats.expand_scale(qt, rows, values.shape[-1]))[..., :cols].reshape(qt.shape)
+    assert torch.equal(formats.dequantize(qt, torch.float32), expected)

@@ -277,10 +277,18 @@ def _quantize_whole_rows(x, key: QuantKey, element: Element, shape, dtype, scale
 
 
 def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The tensor `qt` stands for, in `dtype` (default: the original dtype), true shape."""
-    values = _decode(qt.data, qt.key.dtype)
+    """The tensor `qt` stands for, in `dtype` (default: the original dtype), true shape. Whole groups
+    are scaled in place through a grouped view (the same products as with `expand_scale`, without
+    two weight-sized fp32 scale tensors: the reference backend dequantizes every weight per call)."""
+    values = _decode(qt.data, qt.key.dtype)  # a new fp32 tensor
     rows, cols = values.shape[-2], qt.shape[-1]
-    values = values * expand_scale(qt, rows, values.shape[-1])
+    row_group, (_, group_cols) = qt.key.group_shape.row, qt.key.group_shape.size(rows, values.shape[-1])
+    if values.shape[-1] % group_cols == 0 and (row_group == -1 or rows % row_group == 0):
+        grouped = values.unflatten(-1, (-1, group_cols))  # [..., R, C/gc, gc] -> [..., R/gr, gr, C/gc, gc]
+        grouped = grouped.unsqueeze(-4) if row_group == -1 else grouped.unflatten(-3, (-1, row_group))
+        grouped.mul_(_scale_fp32(qt).unsqueeze(-1).unsqueeze(-3))
+    else:
+        values = values * expand_scale(qt, rows, values.shape[-1])
     return values[..., :cols].reshape(qt.shape).to(dtype or qt.dtype)
 
 
@@ -303,13 +311,17 @@ def concat_rows(parts: list[QTensor], name: str = "tensor") -> QTensor:
 def expand_scale(qt: QTensor, rows: int, cols: int) -> torch.Tensor:
     """The fp32 scale of every element of a `[..., rows, cols]` operand (cols = padded cols)."""
     group_rows, group_cols = qt.key.group_shape.size(rows, cols)
-    scale = qt.scale.float()
-    if qt.scale2 is not None:
-        scale = scale * qt.scale2
-    elif qt.key.scale.dtype == E8M0:
-        scale = torch.exp2(qt.scale.to(torch.int32) - 127.0)
-    scale = scale.repeat_interleave(group_rows, dim=-2)[..., :rows, :]
+    scale = _scale_fp32(qt).repeat_interleave(group_rows, dim=-2)[..., :rows, :]
     return scale.repeat_interleave(group_cols, dim=-1)[..., :cols]
+
+
+def _scale_fp32(qt: QTensor) -> torch.Tensor:
+    """The scale of each group, fp32 `[..., R/gr, C/gc]` (an e8m0 byte decoded, NVFP4's two levels multiplied)."""
+    if qt.scale2 is not None:
+        return qt.scale.float() * qt.scale2
+    if qt.key.scale.dtype == E8M0:
+        return torch.exp2(qt.scale.to(torch.int32) - 127.0)
+    return qt.scale.float()
 
 
 def _grouped(x: torch.Tensor, key: QuantKey) -> torch.Tensor:
