@@ -90,8 +90,9 @@ def _fp4_key(x: torch.Tensor) -> torch.Tensor:
 def _lookup(x: torch.Tensor) -> bool:
     """The tables serve plain CPU tensors outside any trace. On other devices and while Dynamo or
     AOTAutograd traces (fake / functional tensors), torchao's op sequence runs as before, so compiled
-    graphs keep their pointwise ops and no table is baked into them."""
-    return x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_compiling()
+    graphs keep their pointwise ops and no table is baked into them. (`is_compiling()` would also be
+    true inside a backend, where quantpass quantizes the weights: the slow path, 9x the memory.)"""
+    return x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_dynamo_compiling()
 
 
 def fp4_codes(x: torch.Tensor) -> torch.Tensor:
