@@ -45,6 +45,9 @@ def test_dynamic_keys_and_small_weights_are_quantized_whole():
     assert formats._chunk_rows(torch.zeros(4096, 4096), keys.kFp8DynamicTokenSym) == 0
     assert formats._chunk_rows(torch.zeros(64, 4096), keys.kInt8StaticChannelSym) == 0
     assert formats._chunk_rows(torch.zeros(4096, 4096), keys.kFp8Static128BlockSym) % 128 == 0
+    # off the CPU, chunks of 16M elements: a few launches per weight
+    assert formats._chunk_rows(torch.zeros(4096, 4096, device="meta"), keys.kInt8StaticChannelSym) == 0
+    assert formats._chunk_rows(torch.zeros(16384, 4096, device="meta"), keys.kInt8StaticChannelSym) == 4096
 
 
 PEAK_SCRIPT = """

@@ -48,7 +48,8 @@ ELEMENTS: dict[torch.dtype, Element] = {
 AMAX_EPS = 1e-12  # an all-zero group gets a tiny positive scale instead of a division by zero
 E4M3_MIN_SCALE = 2**-6  # NVFP4 block scales are clamped to e4m3's smallest normal, as torchao does
 INT4_CLIP_RATIOS = (1.0, 0.9, 0.8)  # clip candidates for INT4 weights (see _lowest_error_scale)
-QUANTIZE_CHUNK = 1 << 18  # elements of a big weight quantized at once (see _chunk_rows)
+QUANTIZE_CHUNK = 1 << 18  # elements of a big weight quantized at once on CPU (see _chunk_rows)
+QUANTIZE_CHUNK_GPU = 1 << 24  # on an accelerator: a few launches per weight, temporaries <= 64 MiB each
 SEARCH_CHUNK = 1 << 18  # elements x candidates per step of the scale search: ~1 MiB of fp32 in flight
 
 
@@ -188,10 +189,10 @@ def _chunk_rows(x: torch.Tensor, key: QuantKey) -> int:
     `QUANTIZE_CHUNK` elements they stay near 1 MiB each (and in cache: faster too). A scale spanning
     every row (per-tensor, NVFP4's second level) is computed first from the whole matrix."""
     rows, cols = x.shape[-2:]
-    group_rows = key.group_shape.row
-    if not key.static or rows * cols <= 2 * QUANTIZE_CHUNK or (group_rows == -1 and not _whole_rows(key)):
+    group_rows, chunk = key.group_shape.row, QUANTIZE_CHUNK if x.device.type == "cpu" else QUANTIZE_CHUNK_GPU
+    if not key.static or rows * cols <= 2 * chunk or (group_rows == -1 and not _whole_rows(key)):
         return 0
-    step = max(1, QUANTIZE_CHUNK // cols)
+    step = max(1, chunk // cols)
     if group_rows > 1:  # whole row groups per step
         step = max(group_rows, step // group_rows * group_rows)
     return step if step < rows else 0
