@@ -89,16 +89,13 @@ open("/proc/self/clear_refs", "w").write("5")  # the peak below is the load's
 model = qp.from_pretrained(path, linear=fmt)
 loaded, peak = rss()
 unquantized = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
-layers = {}
-for name, entry in shards.index(path).items():
-    if ".layers." in name:
-        layer = name.split(".layers.")[1].split(".")[0]
-        layers[layer] = layers.get(layer, 0) + entry.nbytes
+# a released parameter keeps its shape and dtype: the decoder layer's bytes as stored
+largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers)
 ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
     torch.compile(model, backend=qp.backend(lowering="aot_eager"))(ids)
 print(json.dumps({"mode": mode, "before": before, "loaded": loaded, "peak": peak, "after": rss()[0],
-                  "held": WEIGHTS.nbytes() + unquantized, "largest_layer": max(layers.values()),
+                  "held": WEIGHTS.nbytes() + unquantized, "largest_layer": largest_layer,
                   "checkpoint": sum(e.nbytes for e in shards.index(path).values())}))
 """
 
@@ -188,10 +185,12 @@ def main(argv=None) -> None:
     print(f"{stamp}, {platform.processor() or platform.machine()}, torch threads {args.threads}, "
           f"Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, bf16, `python bench/memory.py "
           f"{' '.join(argv or sys.argv[1:])}`".rstrip())  # fmt: skip
-    print(table(rows))
-    if any(r["mode"].startswith("load:") for r in rows):
-        print()
-        print(load_table(rows))
+    tables = [
+        make(rows)
+        for make, load in ((table, False), (load_table, True))
+        if any(r["mode"].startswith("load:") == load for r in rows)
+    ]
+    print("\n\n".join(tables))
 
 
 if __name__ == "__main__":
