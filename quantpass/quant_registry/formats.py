@@ -9,7 +9,9 @@ Rules (docs/design.md §4): FP8 e4m3 scale = amax/448; MX scale e8m0 per 1x32 by
 amax/(448*6); INT8 symmetric ±127; INT4 symmetric ±7 per 128. Weights (static keys, computed
 once) choose INT4 clip ratios and the MXFP4 exponent by least squared error
 (`_lowest_error_scale`). Any R and C: groups that overhang are padded with zeros for the math, the
-data keeps its true rows and a column count padded to the group, and `dequantize` crops.
+data keeps its true rows and a column count padded to the group, and `dequantize` crops. Big weights
+are quantized a few rows at a time (`_chunk_rows`: bounded temporaries, same bytes); e2m1 rounding
+on CPU is a lookup table built from torchao's conversion (`_fp4_tables`: same codes, one gather).
 """
 
 from __future__ import annotations
