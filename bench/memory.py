@@ -12,6 +12,15 @@ blur the weights'). Columns:
 - *peak MiB*: the process's peak RSS (VmHWM) during the compile and first call, minus RSS before build.
 - *accounted MiB*: the bytes quantpass can name: parameter storages still allocated + its weight cache.
 - *vs bf16*: weights MiB / the bf16 parameter bytes.
+- *live MiB*: the same as *weights MiB* after `malloc_trim(0)` (glibc hands back the free pages it
+  keeps): what is really allocated. The gap is freed per-call temporaries glibc kept (the
+  `reference` backend's dequantized weights, on CPU the only one for FP8 W8A8 and FP4).
+
+Modes `load:FORMAT` measure quantize-on-load instead: the parent saves the same model as a bf16
+checkpoint (`save_pretrained`, a temporary directory) and the child loads it with
+`qp.from_pretrained(dir, linear=FORMAT)`: *peak MiB* of loading above RSS before it, *held MiB* (the
+quantized weights + the tensors left unquantized), the largest decoder layer's bf16 bytes, and the
+issue's target peak <= held + largest layer; then one compiled call (`aot_eager`) and RSS after it.
 """
 
 from __future__ import annotations
@@ -23,11 +32,13 @@ import json
 import platform
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-MODES = ["none", "int8_weight_only", "int4_weight_only", "fp8_per_channel", "int8_weight_only+keep"]
+MODES = ["none", "int8_weight_only", "int4_weight_only", "fp8_per_channel", "mxfp4", "nvfp4", "int8_weight_only+keep"]
+LOAD_MODES = ["load:int8_weight_only", "load:int4_weight_only", "load:nvfp4"]
 CHILD = r"""
-import json, sys, torch, transformers, quantpass as qp
+import ctypes, gc, json, sys, torch, transformers, quantpass as qp
 from quantpass.weight_cache import WEIGHTS
 
 def rss():  # resident set and its peak, bytes
@@ -54,60 +65,132 @@ with torch.no_grad():
     torch.compile(model, backend=qp.backend(**options))(ids)
 after, peak = rss()
 held = sum(p.untyped_storage().nbytes() for p in {id(p): p for p in model.parameters()}.values())
-print(json.dumps({"mode": mode, "before": before, "built": built, "after": after, "peak": peak,
+gc.collect()
+ctypes.CDLL("libc.so.6").malloc_trim(0)
+print(json.dumps({"mode": mode, "before": before, "built": built, "after": after, "peak": peak, "live": rss()[0],
                   "param_bytes": param_bytes, "accounted": held + WEIGHTS.nbytes()}))
+"""
+LOAD_CHILD = r"""
+import json, sys, torch, quantpass as qp
+from quantpass.checkpoints import load, shards
+from quantpass.weight_cache import WEIGHTS
+
+def rss():  # resident set and its peak, bytes
+    fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
+
+mode, path, threads, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+fmt = mode.split(":", 1)[1]
+torch.set_num_threads(threads)
+load._build(path, None)  # imports the model's modules: not part of loading
+qp.quantize(torch.randn(64, 256), qp.QuantSpec.from_name(fmt).weight)
+before, _ = rss()
+open("/proc/self/clear_refs", "w").write("5")  # the peak below is the load's
+model = qp.from_pretrained(path, linear=fmt)
+loaded, peak = rss()
+unquantized = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *model.buffers()])
+# a released parameter keeps its shape and dtype: the decoder layer's bytes as stored
+largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers)
+ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
+with torch.no_grad():
+    torch.compile(model, backend=qp.backend(lowering="aot_eager"))(ids)
+print(json.dumps({"mode": mode, "before": before, "loaded": loaded, "peak": peak, "after": rss()[0],
+                  "held": WEIGHTS.nbytes() + unquantized, "largest_layer": largest_layer,
+                  "checkpoint": sum(e.nbytes for e in shards.index(path).values())}))
 """
 
 
-def measure(mode: str, hidden: int, layers: int, threads: int, vocab: int) -> dict:
-    done = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(hidden), str(layers), str(threads), str(vocab)],
-        capture_output=True, text=True, timeout=1800,
-    )  # fmt: skip
+SAVE = r"""
+import sys, torch, transformers
+hidden, layers, vocab, path = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
+    num_attention_heads=16, num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=256)
+torch.manual_seed(0)
+transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+"""
+
+
+def _child(args: list[str], what: str) -> dict:
+    done = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
-        raise RuntimeError(f"mode {mode} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
+    lines = done.stdout.strip().splitlines()
+    return json.loads(lines[-1]) if lines else {}
+
+
+def measure(mode: str, hidden: int, layers: int, threads: int, vocab: int, checkpoint: str | None = None) -> dict:
+    if mode.startswith("load:"):
+        return _child([LOAD_CHILD, mode, checkpoint, str(threads), str(vocab)], f"mode {mode}")
+    return _child([CHILD, mode, str(hidden), str(layers), str(threads), str(vocab)], f"mode {mode}")
 
 
 def table(rows: list[dict]) -> str:
     mib = 2**20
+    rows = [r for r in rows if not r["mode"].startswith("load:")]
     base = next((r for r in rows if r["mode"] == "none"), None)
     overhead = 0 if base is None else (base["after"] - base["before"]) - base["param_bytes"]
+    live_overhead = 0 if base is None else (base["live"] - base["before"]) - base["param_bytes"]
     lines = [
-        "| mode | weights MiB | vs bf16 | peak MiB (compile + first call) | peak vs none | accounted MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| mode | weights MiB | vs bf16 | live MiB | live vs bf16 | peak MiB (compile + first call) | peak vs none "
+        "| accounted MiB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
-        weights = (r["after"] - r["before"]) - overhead
+        weights, live = (r["after"] - r["before"]) - overhead, (r["live"] - r["before"]) - live_overhead
         peak = r["peak"] - r["before"]
         peak_ratio = "" if base is None else f"{peak / (base['peak'] - base['before']):.2f}x"
         lines.append(
-            f"| {r['mode']} | {weights / mib:.0f} | {weights / r['param_bytes']:.2f}x | {peak / mib:.0f} | "
-            f"{peak_ratio} | {r['accounted'] / mib:.0f} |"
+            f"| {r['mode']} | {weights / mib:.0f} | {weights / r['param_bytes']:.2f}x | {live / mib:.0f} | "
+            f"{live / r['param_bytes']:.2f}x | {peak / mib:.0f} | {peak_ratio} | {r['accounted'] / mib:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def load_table(rows: list[dict]) -> str:
+    mib = 2**20
+    lines = [
+        "| mode | bf16 checkpoint MiB | peak MiB (load) | held MiB | largest layer MiB (bf16) | peak <= held + layer "
+        "| RSS MiB after load | RSS MiB after first call |",
+        "| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |",
+    ]
+    for r in (r for r in rows if r["mode"].startswith("load:")):
+        peak, bound = r["peak"] - r["before"], r["held"] + r["largest_layer"]
+        lines.append(
+            f"| {r['mode']} | {r['checkpoint'] / mib:.0f} | {peak / mib:.1f} | {r['held'] / mib:.1f} | "
+            f"{r['largest_layer'] / mib:.1f} | {'yes' if peak <= bound else 'NO'} ({bound / mib:.1f}) | "
+            f"{(r['loaded'] - r['before']) / mib:.1f} | {(r['after'] - r['before']) / mib:.1f} |"
         )
     return "\n".join(lines)
 
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--modes", nargs="+", default=MODES)
+    parser.add_argument("--modes", nargs="+", default=MODES + LOAD_MODES, help="FORMAT[+keep] or load:FORMAT")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=256, help="small: the embedding and head stay unquantized")
     parser.add_argument("--csv", type=Path, default=Path("bench/out/memory.csv"))
     args = parser.parse_args(argv)
-    rows = [measure(mode, args.hidden, args.layers, args.threads, args.vocab) for mode in args.modes]
+    with tempfile.TemporaryDirectory(prefix="quantpass-memory-") as checkpoint:
+        if any(mode.startswith("load:") for mode in args.modes):
+            _child([SAVE, str(args.hidden), str(args.layers), str(args.vocab), checkpoint], "saving the checkpoint")
+        rows = [measure(mode, args.hidden, args.layers, args.threads, args.vocab, checkpoint) for mode in args.modes]
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
         writer.writeheader()
         writer.writerows(rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{stamp}, {platform.processor() or platform.machine()}, torch threads {args.threads}, "
           f"Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, bf16, `python bench/memory.py "
           f"{' '.join(argv or sys.argv[1:])}`".rstrip())  # fmt: skip
-    print(table(rows))
+    tables = [
+        make(rows)
+        for make, load in ((table, False), (load_table, True))
+        if any(r["mode"].startswith("load:") == load for r in rows)
+    ]
+    print("\n\n".join(tables))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ Rules (docs/design.md §4): FP8 e4m3 scale = amax/448; MX scale e8m0 per 1x32 by
 amax/(448*6); INT8 symmetric ±127; INT4 symmetric ±7 per 128. Weights (static keys, computed
 once) choose INT4 clip ratios and the MXFP4 exponent by least squared error
 (`_lowest_error_scale`). Any R and C: groups that overhang are padded with zeros for the math, the
-data keeps its true rows and a column count padded to the group, and `dequantize` crops.
+data keeps its true rows and a column count padded to the group, and `dequantize` crops. Big weights
+are quantized a few rows at a time (`_chunk_rows`: bounded temporaries, same bytes); e2m1 rounding
+on CPU is a lookup table built from torchao's conversion (`_fp4_tables`: same codes, one gather).
 """
 
 from __future__ import annotations
@@ -48,15 +50,77 @@ ELEMENTS: dict[torch.dtype, Element] = {
 AMAX_EPS = 1e-12  # an all-zero group gets a tiny positive scale instead of a division by zero
 E4M3_MIN_SCALE = 2**-6  # NVFP4 block scales are clamped to e4m3's smallest normal, as torchao does
 INT4_CLIP_RATIOS = (1.0, 0.9, 0.8)  # clip candidates for INT4 weights (see _lowest_error_scale)
+QUANTIZE_CHUNK = 1 << 18  # elements of a big weight quantized at once on CPU (see _chunk_rows)
+QUANTIZE_CHUNK_GPU = 1 << 24  # on an accelerator: a few launches per weight, temporaries <= 64 MiB each
 SEARCH_CHUNK = 1 << 18  # elements x candidates per step of the scale search: ~1 MiB of fp32 in flight
 
 
 @functools.cache
 def _fp4_codec():
-    """torchao's e2m1 round-to-nearest-even conversion and low-nibble-first packing."""
+    """torchao's e2m1 round-to-nearest-even conversion and low-nibble-first packing: the definition
+    the lookup tables below are built from (and what tests compare them with)."""
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked, pack_uint4, unpack_uint4
 
     return f32_to_f4_unpacked, f4_unpacked_to_f32, pack_uint4, unpack_uint4
+
+
+@functools.cache
+def _fp4_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(code per key, value per key, the two values per packed byte) for `_fp4_key`'s 8192 keys.
+
+    torchao's conversion of an fp32 value depends only on its top 12 bits and on whether any of the
+    low 20 bits is set: its round-to-nearest-even adds 2^21 - 1 plus the kept lowest bit to the bits
+    and shifts by 22, with exponent/saturation branches decided by the top bits (NaN, Inf and fp32
+    subnormals included). So one representative per key, converted by torchao, is its result for
+    every input with that key: one gather instead of ~25 full-size passes (4x faster on CPU)."""
+    f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
+    with torch._subclasses.fake_tensor.unset_fake_temporarily():  # real tables even if first used in a trace
+        top = torch.arange(4096, dtype=torch.int32, device="cpu") << 20
+        representatives = torch.stack([top, top | 1], dim=1).flatten().view(torch.float32)
+        codes = f32_to_f4(representatives.contiguous())
+        values = f4_to_f32(torch.arange(16, dtype=torch.uint8, device="cpu"))
+        pairs = torch.stack([values.repeat(16), values.repeat_interleave(16)], dim=1)  # byte b: (b & 15, b >> 4)
+        return codes, values[codes.long()], pairs
+
+
+def _fp4_key(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> int32 `(top 12 bits) * 2 + (low 20 bits != 0)`, a flat index into `_fp4_tables`."""
+    bits = x.reshape(-1).view(torch.int32)
+    sticky = (bits & 0xFFFFF).add_(0xFFFFF).bitwise_right_shift_(20)  # 1 when any low bit is set
+    return (bits >> 20).bitwise_and_(0xFFF).bitwise_left_shift_(1).bitwise_or_(sticky)
+
+
+def _lookup(x: torch.Tensor) -> bool:
+    """The tables serve plain CPU tensors outside any trace. On other devices and while Dynamo or
+    AOTAutograd traces (fake / functional tensors), torchao's op sequence runs as before, so compiled
+    graphs keep their pointwise ops and no table is baked into them. (`is_compiling()` would also be
+    true inside a backend, where quantpass quantizes the weights: the slow path, 9x the memory.)"""
+    return x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_dynamo_compiling()
+
+
+def fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> e2m1 codes (uint8, sign in bit 3), bit for bit torchao's `f32_to_f4_unpacked`,
+    saturating to +-6 (|x| >= 6, +-Inf)."""
+    if not _lookup(x):
+        return _fp4_codec()[0](x.contiguous())
+    return _fp4_tables()[0].index_select(0, _fp4_key(x)).view(x.shape)
+
+
+def fp4_round(x: torch.Tensor) -> torch.Tensor:
+    """fp32 -> the e2m1 value each element rounds to (fp32), i.e. decode(fp4_codes(x))."""
+    if not _lookup(x):
+        f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
+        return f4_to_f32(f32_to_f4(x.contiguous()))
+    return _fp4_tables()[1].index_select(0, _fp4_key(x)).view(x.shape)
+
+
+def fp4_decode(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [..., C/2] (two codes per byte, first in the low nibble) -> fp32 [..., C]."""
+    if not _lookup(packed):
+        _, f4_to_f32, _, unpack = _fp4_codec()
+        return f4_to_f32(unpack(packed.contiguous()))
+    pairs = _fp4_tables()[2].index_select(0, packed.reshape(-1).to(torch.int32))
+    return pairs.view(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -99,7 +163,10 @@ def quantize(x: torch.Tensor, key: QuantKey, name: str = "tensor") -> QTensor:
         # NaN propagates through amax/amin, +-Inf is one of them: two reductions, no full-size temporary
         raise ValueError(f"cannot quantize {name} with {key}: it contains NaN or Inf")
     element = ELEMENTS[key.dtype]
-    if key.group_shape in (PER_ROW, PER_TENSOR) and key.scale.dtype == torch.float32 and not element.packed:
+    step = _chunk_rows(x, key)
+    if step:
+        return _quantize_in_chunks(x, key, step, shape, dtype)
+    if _whole_rows(key):
         return _quantize_whole_rows(x, key, element, shape, dtype)
     data, stored_scale, scale2 = _quantize_grouped(x, key)
     return QTensor(
@@ -112,8 +179,67 @@ def quantize(x: torch.Tensor, key: QuantKey, name: str = "tensor") -> QTensor:
     )
 
 
-def _quantize_grouped(x: torch.Tensor, key: QuantKey):
-    """The grouped formats' math: (data, stored scale, second-level scale or None)."""
+def _whole_rows(key: QuantKey) -> bool:
+    return (
+        key.group_shape in (PER_ROW, PER_TENSOR) and key.scale.dtype == torch.float32 and not ELEMENTS[key.dtype].packed
+    )
+
+
+def _chunk_rows(x: torch.Tensor, key: QuantKey) -> int:
+    """Rows per step for a big weight (static key) quantized a few rows at a time, else 0. Whole,
+    a 2816x1024 bf16 weight needed ~45 MiB of fp32 temporaries (8x its size); in steps of
+    `QUANTIZE_CHUNK` elements they stay near 1 MiB each (and in cache: faster too). A scale spanning
+    every row (per-tensor, NVFP4's second level) is computed first from the whole matrix."""
+    rows, cols = x.shape[-2:]
+    group_rows, chunk = key.group_shape.row, QUANTIZE_CHUNK if x.device.type == "cpu" else QUANTIZE_CHUNK_GPU
+    if not key.static or rows * cols <= 2 * chunk or (group_rows == -1 and not _whole_rows(key)):
+        return 0
+    step = max(1, chunk // cols)
+    if group_rows > 1:  # whole row groups per step
+        step = max(group_rows, step // group_rows * group_rows)
+    return step if step < rows else 0
+
+
+def _quantize_in_chunks(x: torch.Tensor, key: QuantKey, step: int, shape, dtype) -> QTensor:
+    """`quantize(x, key)` bit for bit, `step` rows at a time (per matrix), into preallocated outputs."""
+    if x.dim() > 2:  # experts: one matrix at a time
+        parts = [_quantize_in_chunks(m, key, step, m.shape, dtype) for m in x.reshape(-1, *x.shape[-2:])]
+        lead = x.shape[:-2]
+        data, scale = (torch.stack(t).unflatten(0, lead) for t in zip(*((p.data, p.scale) for p in parts)))
+        scale2 = None if key.scale2 is None else torch.stack([p.scale2 for p in parts]).unflatten(0, lead)
+        return QTensor(data, scale, scale2, key, shape, dtype)
+    element, rows = ELEMENTS[key.dtype], x.shape[0]
+    whole, group_rows = _whole_rows(key), max(key.group_shape.row, 1)
+    amax = None
+    if key.group_shape.row == -1 or key.scale2 is not None:  # the matrix's |x| max, as a 1x1 fp32 tensor
+        amax = torch.maximum(x.amax(), x.amin().neg()).float().clamp(min=AMAX_EPS).reshape(1, 1)
+    data = scale = scale2 = None
+    for start in range(0, rows, step):
+        part = x[start : start + step]
+        if whole:
+            per_tensor = None if amax is None else amax / element.max
+            qt = _quantize_whole_rows(part, key, element, part.shape, dtype, per_tensor)
+            part_data, part_scale = qt.data, qt.scale
+        else:
+            part_data, part_scale, scale2 = _quantize_grouped(
+                part, key, None if amax is None else amax.reshape(1, 1, 1, 1)
+            )
+        if data is None:
+            data = part_data.new_empty((rows, part_data.shape[-1]))
+            scale = (
+                part_scale
+                if amax is not None and whole
+                else part_scale.new_empty((-(-rows // group_rows), part_scale.shape[-1]))
+            )
+        data[start : start + step] = part_data
+        if not (amax is not None and whole):
+            scale[start // group_rows : start // group_rows + part_scale.shape[0]] = part_scale
+    return QTensor(data, scale, None if scale2 is None else scale2.reshape(1, 1), key, shape, dtype)
+
+
+def _quantize_grouped(x: torch.Tensor, key: QuantKey, amax2: torch.Tensor | None = None):
+    """The grouped formats' math: (data, stored scale, second-level scale or None). `amax2`: the
+    whole matrix's clamped |x| max when `x` is a slice of it (NVFP4's second-level scale)."""
     element = ELEMENTS[key.dtype]
     groups = _grouped(x.float(), key)  # [..., R/gr, gr, C/gc, gc]
     extent = dict(dim=(-3, -1), keepdim=True)
@@ -129,7 +255,7 @@ def _quantize_grouped(x: torch.Tensor, key: QuantKey):
             exponent = torch.log2(_lowest_error_scale(groups, candidates, key.dtype))
         scale, stored_scale = torch.exp2(exponent), (exponent + 127).to(torch.uint8)
     elif key.scale.dtype == FP8:  # NVFP4: e4m3 block scales under an fp32 per-matrix scale
-        scale2 = amax.amax(dim=(-4, -2), keepdim=True) / (448.0 * element.max)
+        scale2 = (amax.amax(dim=(-4, -2), keepdim=True) if amax2 is None else amax2) / (448.0 * element.max)
         stored_scale = (amax / element.max / scale2).clamp(E4M3_MIN_SCALE, 448.0).to(FP8)
         scale = stored_scale.float() * scale2
     elif key.dtype == INT4 and key.static:  # clip search: see INT4_CLIP_RATIOS
@@ -142,21 +268,31 @@ def _quantize_grouped(x: torch.Tensor, key: QuantKey):
     return data.contiguous(), stored_scale.squeeze(-1).squeeze(-2).contiguous(), scale2
 
 
-def _quantize_whole_rows(x, key: QuantKey, element: Element, shape, dtype) -> QTensor:
+def _quantize_whole_rows(x, key: QuantKey, element: Element, shape, dtype, scale=None) -> QTensor:
     """Per-row / per-tensor FP8 and INT8: the same numbers as the grouped path in a handful of ops.
     Native W8A8 graphs trace this once per linear: the grouped path's reshapes and padding checks
-    were 4.4 s of an 8.3 s Inductor compile of the dense preset (32 linears, measured 2026-11-29)."""
+    were 4.4 s of an 8.3 s Inductor compile of the dense preset (32 linears, measured 2026-11-29).
+    `scale`: the whole matrix's per-tensor scale when `x` is a slice of it."""
     values = x.float()
-    dims = (-1,) if key.group_shape == PER_ROW else (-2, -1)
-    scale = values.abs().amax(dim=dims, keepdim=True).clamp(min=AMAX_EPS) / element.max
+    if scale is None:
+        dims = (-1,) if key.group_shape == PER_ROW else (-2, -1)
+        scale = values.abs().amax(dim=dims, keepdim=True).clamp(min=AMAX_EPS) / element.max
     return QTensor(_encode(values / scale, key.dtype).contiguous(), scale, None, key, shape, dtype)
 
 
 def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The tensor `qt` stands for, in `dtype` (default: the original dtype), true shape."""
-    values = _decode(qt.data, qt.key.dtype)
+    """The tensor `qt` stands for, in `dtype` (default: the original dtype), true shape. Whole groups
+    are scaled in place through a grouped view (the same products as with `expand_scale`, without
+    two weight-sized fp32 scale tensors: the reference backend dequantizes every weight per call)."""
+    values = _decode(qt.data, qt.key.dtype)  # a new fp32 tensor
     rows, cols = values.shape[-2], qt.shape[-1]
-    values = values * expand_scale(qt, rows, values.shape[-1])
+    row_group, (_, group_cols) = qt.key.group_shape.row, qt.key.group_shape.size(rows, values.shape[-1])
+    if values.shape[-1] % group_cols == 0 and (row_group == -1 or rows % row_group == 0):
+        grouped = values.unflatten(-1, (-1, group_cols))  # [..., R, C/gc, gc] -> [..., R/gr, gr, C/gc, gc]
+        grouped = grouped.unsqueeze(-4) if row_group == -1 else grouped.unflatten(-3, (-1, row_group))
+        grouped.mul_(_scale_fp32(qt).unsqueeze(-1).unsqueeze(-3))
+    else:
+        values = values * expand_scale(qt, rows, values.shape[-1])
     return values[..., :cols].reshape(qt.shape).to(dtype or qt.dtype)
 
 
@@ -179,13 +315,17 @@ def concat_rows(parts: list[QTensor], name: str = "tensor") -> QTensor:
 def expand_scale(qt: QTensor, rows: int, cols: int) -> torch.Tensor:
     """The fp32 scale of every element of a `[..., rows, cols]` operand (cols = padded cols)."""
     group_rows, group_cols = qt.key.group_shape.size(rows, cols)
-    scale = qt.scale.float()
-    if qt.scale2 is not None:
-        scale = scale * qt.scale2
-    elif qt.key.scale.dtype == E8M0:
-        scale = torch.exp2(qt.scale.to(torch.int32) - 127.0)
-    scale = scale.repeat_interleave(group_rows, dim=-2)[..., :rows, :]
+    scale = _scale_fp32(qt).repeat_interleave(group_rows, dim=-2)[..., :rows, :]
     return scale.repeat_interleave(group_cols, dim=-1)[..., :cols]
+
+
+def _scale_fp32(qt: QTensor) -> torch.Tensor:
+    """The scale of each group, fp32 `[..., R/gr, C/gc]` (an e8m0 byte decoded, NVFP4's two levels multiplied)."""
+    if qt.scale2 is not None:
+        return qt.scale.float() * qt.scale2
+    if qt.key.scale.dtype == E8M0:
+        return torch.exp2(qt.scale.to(torch.int32) - 127.0)
+    return qt.scale.float()
 
 
 def _grouped(x: torch.Tensor, key: QuantKey) -> torch.Tensor:
@@ -200,13 +340,12 @@ def _grouped(x: torch.Tensor, key: QuantKey) -> torch.Tensor:
 
 def _round(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Values already divided by their scale -> the nearest element value (saturating), as fp32."""
+    if dtype == FP4:  # saturates by itself: a clamp first changes no result
+        return fp4_round(scaled.float())
     limit = ELEMENTS[dtype].max
     scaled = scaled.clamp(-limit, limit)
     if dtype == FP8:
         return scaled.to(FP8).float()
-    if dtype == FP4:
-        f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
-        return f4_to_f32(f32_to_f4(scaled.contiguous()))
     return scaled.round_()  # clamp made a new tensor: round it in place
 
 
@@ -216,11 +355,10 @@ def _encode(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         limit = ELEMENTS[dtype].max
         scaled = scaled.clamp(-limit, limit)
         return (scaled if dtype == FP8 else scaled.round()).to(dtype)
-    values = _round(scaled, dtype)  # 4-bit: exact element values, then packed two per byte
-    if dtype == INT4:
-        return _pack_grouped(values, pack_int4)
-    f32_to_f4, _, pack, _ = _fp4_codec()
-    return _pack_grouped(f32_to_f4(values.contiguous()), pack)
+    if dtype == INT4:  # exact element values, then packed two per byte
+        return _pack_grouped(_round(scaled, dtype), pack_int4)
+    _, _, pack, _ = _fp4_codec()  # the codes of the rounded values are the codes of the values
+    return _pack_grouped(fp4_codes(scaled.float()), pack)
 
 
 def _pack_grouped(values: torch.Tensor, pack) -> torch.Tensor:
@@ -233,8 +371,7 @@ def _decode(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == INT4:
         return unpack_int4(data).float()
     if dtype == FP4:
-        _, f4_to_f32, _, unpack = _fp4_codec()
-        return f4_to_f32(unpack(data.contiguous()))
+        return fp4_decode(data)
     return data.float()
 
 
@@ -260,5 +397,9 @@ def _lowest_error_scale(groups: torch.Tensor, candidates: list[torch.Tensor], dt
         part, scale = groups[..., start : start + step, :, :, :], scales[..., start : start + step, :, :, :]
         scaled = part / scale
         error = _round(scaled, dtype).sub_(scaled).square_().sum(dim=(-3, -1), keepdim=True) * scale.square()
-        best[..., start : start + step, :, :, :] = scale.gather(0, error.argmin(0, keepdim=True)).squeeze(0)
+        chosen, least = scale[0], error[0]
+        for i in range(1, len(candidates)):  # argmin over dim 0 by hand: a strided reduction, 3x slower
+            better = error[i] < least  # strict: the first of equals wins, as argmin's
+            chosen, least = torch.where(better, scale[i], chosen), torch.where(better, error[i], least)
+        best[..., start : start + step, :, :, :] = chosen
     return best
