@@ -1,0 +1,193 @@
+"""Sharded models (torch.distributed): every rank quantizes and runs the shards it holds.
+
+The design is docs/distributed.md. In short: a DTensor parameter is quantized as `param.to_local()`
+(a view of this rank's shard: no full weight is ever gathered or allocated), and the graph is first
+normalized so that each sharded layer computes on local tensors (`patterns/sharded.py`,
+`patterns/expert_parallel.py`); the site finders, kernels and weight cache then work unchanged.
+Scale groups are those of the shard: per-channel and per-tensor scales are per shard (no
+collective at compile time, and at least as accurate as one scale for the whole tensor); a group
+of fixed size must not straddle a shard boundary (`check_shards` raises at compile time).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+PER_CHANNEL_FORMATS = "fp8_per_channel, int8_weight_only"  # scales span a whole row: no group can straddle
+
+
+def is_dtensor(value) -> bool:
+    """Whether `value` is a DTensor, without importing torch.distributed.tensor when it isn't."""
+    if not isinstance(value, torch.Tensor) or type(value) in (torch.Tensor, torch.nn.Parameter):
+        return False
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def local_tensor(value):
+    """The shard this rank holds of a DTensor (a view, no copy), else `value` itself."""
+    if not is_dtensor(value):
+        return value
+    with torch.no_grad():
+        return value.to_local()
+
+
+def like_param(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """`local` (values of this rank's shard) as a tensor like `param`: a DTensor for a DTensor."""
+    if not is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(
+        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+# ----------------------------------------------------------------------------- graph
+
+
+def _has_collectives(graph: fx.Graph) -> bool:
+    return any(str(n.target).startswith("_c10d_functional.") for n in graph.nodes if n.op == "call_function")
+
+
+def normalize(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
+    """A copy of Dynamo's graph with its sharded layers spelled on local tensors, or `gm` itself
+    when it has none (a single-device graph costs one scan)."""
+    if not any(is_dtensor(v) for v in example_inputs) and not _has_collectives(gm.graph):
+        return gm
+    from .passes.fx_utils import copy_graph_module
+    from .patterns.expert_parallel import normalize_expert_parallel
+    from .patterns.sharded import functional_all_reduce, localize_linears
+
+    new = copy_graph_module(gm)
+    localize_linears(new.graph, example_inputs)
+    functional_all_reduce(new.graph)
+    normalize_expert_parallel(new.graph)
+    new.graph.lint()
+    new.recompile()
+    return new
+
+
+def adapt_sites(sites: list, example_inputs) -> list:
+    """Sites of a sharded graph as the pass must see them: a weight still used as a DTensor (not
+    through `to_local`) is left alone with the reason, expert-parallel MoE sites get their map."""
+    from .patterns.expert_parallel import EP_META, ExpertParallelMoESite
+    from .patterns.moe import MoESite
+
+    adapted = []
+    for site in sites:
+        if site.skip_reason is None and any(is_dtensor(_meta_value(ref.node)) for ref in site.params):
+            node = getattr(site, "node", None)
+            site.skip_reason = (node.meta.get("quantpass_skip") if node is not None else None) or (
+                "its weight is a DTensor used as one (not through to_local): quantpass quantizes local shards"
+            )
+        if isinstance(site, MoESite) and site.skip_reason is None and EP_META in site.topk_ids.meta:
+            found = _expert_range(site, example_inputs)
+            if found is not None:
+                site = ExpertParallelMoESite.from_site(site, *found)
+        adapted.append(site)
+    return adapted
+
+
+def _meta_value(node):
+    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
+
+
+def _expert_range(site, example_inputs) -> tuple[int, int] | None:
+    """(global experts, first local expert's global id) of an expert-parallel site whose weights are
+    DTensors split on the experts dim, consistent with the prologue's constants; else None."""
+    experts = site.topk_ids.meta["quantpass_expert_parallel"]
+    weight = example_inputs[site.params[0].index]
+    if not is_dtensor(weight):
+        return None
+    local_shape, offset = _local_shape_and_offset(weight)
+    if local_shape[0] != experts.local or offset[0] != experts.rank * experts.local:
+        return None
+    return int(weight.shape[0]), int(offset[0])
+
+
+def _local_shape_and_offset(value) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    return compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
+
+
+# ----------------------------------------------------------------------------- plan notes and checks
+
+
+def rank_and_world(value) -> tuple[int, int]:
+    mesh = value.device_mesh
+    return (mesh.get_local_rank() if mesh.ndim == 1 else mesh.get_rank()), mesh.size()
+
+
+def check_shards(site, values, spec) -> list[str]:
+    """Plan notes for a site's DTensor weights (`rank r/w, local [N, K] of [N, K] (K split)`);
+    raises ValueError when a shard boundary would cut one of the weight format's scale groups."""
+    sharded = [(ref, value) for ref, value in zip(site.params, values) if is_dtensor(value)]
+    if not sharded:
+        return []
+    rank, world = rank_and_world(sharded[0][1])
+    parts, splits = [], set()
+    for ref, value in sharded:
+        axes = _check_param(site.fqn, ref, value, spec, rank, world)
+        splits |= set(axes)
+        local, total = (_dims(_matrix_shape(ref, shape)) for shape in (local_tensor(value).shape, value.shape))
+        name = ref.name.rsplit(".", 1)[-1] + " " if len(site.params) > 1 else ""
+        parts.append(f"{name}local {local} of {total}")
+    split = " and ".join(f"{axis} split" for axis in ("experts", "N", "K") if axis in splits) or "replicated"
+    note = f"rank {rank}/{world}, {', '.join(parts)} ({split})"
+    row, col = spec.weight.group_shape.row, spec.weight.group_shape.col
+    whole = [axis for axis, extent in (("N", row), ("K", col)) if extent == -1 and axis in splits]
+    if whole or spec.weight.scale2 is not None:
+        note += "; scales computed per shard"
+    notes = [note]
+    if hasattr(site, "describe"):
+        notes.append(site.describe(rank, world))
+    return notes
+
+
+def _dims(shape) -> str:
+    return f"[{', '.join(map(str, shape))}]"
+
+
+def _matrix_shape(ref, shape) -> tuple[int, ...]:
+    shape = tuple(int(s) for s in shape)
+    return (*shape[:-2], shape[-1], shape[-2]) if ref.transposed else shape
+
+
+def _check_param(fqn: str, ref, value, spec, rank: int, world: int) -> list[str]:
+    """The axes (`experts`, `N`, `K`) this parameter is split on; raises where a scale group of a
+    fixed size would straddle a shard boundary."""
+    ndim = value.ndim
+    local_shape, offset = _local_shape_and_offset(value)
+    row, col = spec.weight.group_shape.row, spec.weight.group_shape.col
+    axes = []
+    for placement in value.placements:
+        if not placement.is_shard():
+            continue
+        dim = placement.dim % ndim
+        matrix_dim = dim if not ref.transposed or dim < ndim - 2 else (2 * ndim - 3) - dim
+        axis = {ndim - 2: "N", ndim - 1: "K"}.get(matrix_dim, "experts")
+        axes.append(axis)
+        group = {"N": row, "K": col}.get(axis, -1)
+        if group == -1:
+            continue
+        local, total = int(local_shape[dim]), int(value.shape[dim])
+        pieces = getattr(placement, "split_factor", 1)  # _StridedShard: `pieces` contiguous runs
+        start = int(offset[dim])
+        if pieces > 1:
+            straddles = local % (pieces * group) != 0
+        else:
+            straddles = start % group != 0 or ((start + local) % group != 0 and start + local != total)
+        if straddles:
+            unit = "columns" if axis == "K" else "rows"
+            raise ValueError(
+                f"layer {fqn!r}: rank {rank}/{world} holds {axis}={local} of {total} ({placement}), which cuts "
+                f"{spec.name()}'s scale groups of {group} {unit} at a shard boundary; use a parallel size that "
+                f"splits {axis} into multiples of {group}, or a per-channel format ({PER_CHANNEL_FORMATS})"
+            )
+    return axes
