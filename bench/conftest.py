@@ -4,6 +4,9 @@
     --bench-threads N          torch.set_num_threads(N) for the session (CPU timings)
     --bench-triton-interpret   run the triton provider on CPU through Triton's interpreter (slow)
     --bench-csv PATH           results file, one row per benchmark or skip (default bench/out/kernels.csv)
+    --bench-rows WHICH         all (default), targets (the rows summary.TARGETS compare, on the shapes
+                               tagged "target") or rest (every other row)
+    --bench-append             add to the results file instead of starting it afresh (a second step)
 
 Every bench flag lives here. Rows are appended as each benchmark finishes; the session ends with a
 table of speed-ups vs torch_bf16 per shape (bench/summary.py).
@@ -26,6 +29,7 @@ import suites
 import summary
 
 DEFAULT_CSV = Path(__file__).parent / "out" / "kernels.csv"
+ROW_SETS = ("all", "targets", "rest")
 
 
 def pytest_addoption(parser):
@@ -34,6 +38,8 @@ def pytest_addoption(parser):
     group.addoption("--bench-threads", type=int, default=None, help="torch CPU threads")
     group.addoption("--bench-triton-interpret", action="store_true", help="triton provider on CPU (interpreter)")
     group.addoption("--bench-csv", default=str(DEFAULT_CSV), help="results file")
+    group.addoption("--bench-rows", default="all", choices=ROW_SETS, help="the targets' rows, the others, or all")
+    group.addoption("--bench-append", action="store_true", help="append to the results file")
 
 
 def pytest_configure(config):
@@ -48,10 +54,21 @@ def pytest_configure(config):
 def pytest_generate_tests(metafunc):
     """`linear_case` / `moe_case`: the suite's (shape, format, provider) cases, in run order."""
     linear, linear_formats, moe, moe_formats = suites.suite(suites.selected(metafunc.config))
+    which = metafunc.config.getoption("bench_rows", default="all")
     for kind, shapes, formats in (("linear", linear, linear_formats), ("moe", moe, moe_formats)):
         if f"{kind}_case" in metafunc.fixturenames:
             values, ids = providers.cases(kind, shapes, formats)
+            if which != "all":  # the targets' rows first, as a step of their own (device_check.sh)
+                keep = [is_target_row(kind, *case) == (which == "targets") for case in values]
+                values, ids = [v for v, k in zip(values, keep) if k], [i for i, k in zip(ids, keep) if k]
             metafunc.parametrize(f"{kind}_case", values, ids=ids)
+
+
+def is_target_row(kind: str, shape, format_name: str, provider: str) -> bool:
+    """Whether a target of summary.TARGETS compares this row (its provider or its baseline)."""
+    rows = {(t.kind, t.format, t.provider) for t in summary.TARGETS}
+    rows |= {(t.kind, t.baseline_format, t.baseline) for t in summary.TARGETS}
+    return shape.tag == "target" and (kind, format_name, provider) in rows
 
 
 def pytest_report_header(config):
@@ -86,8 +103,9 @@ def record(pytestconfig):
     path, rows = pytestconfig._bench_results
     device = _device_name()
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        csv.DictWriter(f, summary.FIELDS).writeheader()
+    if not (pytestconfig.getoption("bench_append", default=False) and path.is_file()):
+        with open(path, "w", newline="") as f:
+            csv.DictWriter(f, summary.FIELDS).writeheader()
 
     def append(**row):
         row = {"device": device, **row}

@@ -1,6 +1,6 @@
 """The cpu backend's M switch, measured: its weight-only kernels against dequantize + matmul (and,
-for INT4, quantpass's kernel against aten's) over M, for one N x K. `cpu.KERNEL_MAX_M` and
-`cpu.AVX2_MAX_M` come from this table.
+quantpass's kernels against aten's) over M, for one N x K. `cpu.KERNEL_MAX_M` and `cpu.OURS_MAX_M`
+come from this table.
 
     python bench/cpu_m_sweep.py --threads 1 2 --m 1 8 32 128 256 384 512
 """
@@ -21,13 +21,16 @@ from quantpass.quant_registry.keys import kInt4StaticGroup128Sym, kInt8StaticCha
 KEYS = {"int8": kInt8StaticChannelSym, "int4": kInt4StaticGroup128Sym}
 
 
+CLOCK = time.perf_counter
+
+
 def median_ms(rounds: int, fn, *args) -> float:
     fn(*args)
     times = []
     for _ in range(rounds):
-        start = time.perf_counter()
+        start = CLOCK()
         fn(*args)
-        times.append(time.perf_counter() - start)
+        times.append(CLOCK() - start)
     return sorted(times)[len(times) // 2] * 1e3
 
 
@@ -55,9 +58,8 @@ def prepared_weights(w: torch.Tensor, name: str) -> dict[str, tuple]:
 
 def kernel(x: torch.Tensor, weight, aten: bool) -> torch.Tensor:
     if not aten:
-        return cpu._kernel(x, weight)
-    with aten_kernels():
-        return cpu._kernel(x, weight)
+        return cpu._our_kernel(x, weight, None)
+    return cpu._aten_kernel(x, weight)
 
 
 def main() -> None:
@@ -68,13 +70,18 @@ def main() -> None:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 8, 32, 128, 256, 384, 512])
     parser.add_argument("--threads", type=int, nargs="+", default=[torch.get_num_threads()])
     parser.add_argument("--bf16-max-m", type=int, default=8, help="bf16 F.linear only up to this M (slow on AVX2)")
+    parser.add_argument("--clock", choices=["wall", "thread"], default="wall", help="thread: CPU time, 1 thread only")
     args = parser.parse_args()
+    if args.clock == "thread":
+        global CLOCK
+        CLOCK = time.thread_time
 
     torch.manual_seed(0)
     w = torch.randn(args.n, args.k, dtype=torch.bfloat16)
     weights = prepared_weights(w, args.format)
     first = next(iter(weights.values()))[0]
-    print(f"{args.format} {args.n}x{args.k}, bf16 x, median ms; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"{args.format} {args.n}x{args.k}, bf16 x, median ms ({args.clock} clock); {when}")
     print("| threads | row | " + " | ".join(f"M={m}" for m in args.m) + " |")
     print("| --- | --- | " + " | ".join("---" for _ in args.m) + " |")
     for threads in args.threads:

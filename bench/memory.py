@@ -34,13 +34,13 @@ def rss():  # resident set and its peak, bytes
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
-mode, hidden, layers, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+mode, hidden, layers, threads, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
 torch.set_num_threads(threads)
 config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-    num_attention_heads=16, num_key_value_heads=4, vocab_size=4096, max_position_embeddings=256)
-ids = torch.randint(0, 4096, (1, 32), generator=torch.Generator().manual_seed(0))
+    num_attention_heads=16, num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=256)
+ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():  # warm the compile machinery on a throwaway model: its memory is not the weights'
-    torch.compile(torch.nn.Linear(8, 8), backend=qp.backend(linear="int8_weight_only", lowering="aot_eager"))(torch.randn(2, 8))
+    torch.compile(torch.nn.Linear(64, 64), backend=qp.backend(linear="int8_weight_only", lowering="aot_eager"))(torch.randn(2, 64))
 torch._dynamo.reset()
 before, _ = rss()
 torch.manual_seed(0)
@@ -59,9 +59,9 @@ print(json.dumps({"mode": mode, "before": before, "built": built, "after": after
 """
 
 
-def measure(mode: str, hidden: int, layers: int, threads: int) -> dict:
+def measure(mode: str, hidden: int, layers: int, threads: int, vocab: int) -> dict:
     done = subprocess.run(
-        [sys.executable, "-c", CHILD, mode, str(hidden), str(layers), str(threads)],
+        [sys.executable, "-c", CHILD, mode, str(hidden), str(layers), str(threads), str(vocab)],
         capture_output=True, text=True, timeout=1800,
     )  # fmt: skip
     if done.returncode != 0:
@@ -94,9 +94,10 @@ def main(argv=None) -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--vocab", type=int, default=256, help="small: the embedding and head stay unquantized")
     parser.add_argument("--csv", type=Path, default=Path("bench/out/memory.csv"))
     args = parser.parse_args(argv)
-    rows = [measure(mode, args.hidden, args.layers, args.threads) for mode in args.modes]
+    rows = [measure(mode, args.hidden, args.layers, args.threads, args.vocab) for mode in args.modes]
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     with args.csv.open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -104,7 +105,7 @@ def main(argv=None) -> None:
         writer.writerows(rows)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"{stamp}, {platform.processor() or platform.machine()}, torch threads {args.threads}, "
-          f"Llama-style hidden {args.hidden}, {args.layers} layers, bf16, `python bench/memory.py "
+          f"Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, bf16, `python bench/memory.py "
           f"{' '.join(argv or sys.argv[1:])}`".rstrip())  # fmt: skip
     print(table(rows))
 

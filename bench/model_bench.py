@@ -3,10 +3,11 @@
     python bench/model_bench.py --model dense --formats fp8_per_channel,int8_per_channel,int8_weight_only,int4_weight_only,mxfp8
     python bench/model_bench.py --model /path/to/checkpoint --device cuda --out $OUT
 
-For a preset (quantpass.presets: seeded random weights) or a local transformers checkpoint, and a
-list of formats, it measures with `quantpass.measure` (the numbers `quantpass run` prints): compile
-time, weight bytes, logits agreement with the unquantized model, prefill and greedy-generation
-tokens/s. Every ratio is against the unquantized model compiled with Inductor in the same process.
+For a preset (quantpass.presets: small models trained on a synthetic language) or a local
+transformers checkpoint, and a list of formats, it measures with `quantpass.measure` (the numbers
+`quantpass run` prints): compile time, weight bytes, resident weight memory, logits agreement with
+the unquantized model, prefill and greedy-generation tokens/s. Every ratio is against the
+unquantized model compiled with Inductor in the same process, timed in alternating rounds.
 Then a compile-time study: plain Inductor vs quantpass, alternating, after one untimed compile of
 each, with Inductor's FX graph cache off and warm (`compile_study`).
 
@@ -29,8 +30,8 @@ import torch
 import torch._inductor.config  # config.patch below; torch imports Inductor lazily
 
 from quantpass.backend import backend as quantpass_backend
-from quantpass.measure import SEQUENCE_DIM, measure, timed
-from quantpass.presets import PRESETS, load_model, prompt_ids, unique_parameters
+from quantpass.measure import SEQUENCE_DIM, measure, quantized_copy, time_side_by_side, timed
+from quantpass.presets import PRESETS, load_model, unique_parameters
 from quantpass.quant_registry.spec import QuantizationConfig
 from quantpass.report import comparison, kernels_used, layers_quantized, table
 
@@ -60,11 +61,15 @@ def format_row(model, baseline, result, model_itemsize: int) -> dict:
         "compile_s": result.compile_seconds,
         "prefill_tok_s": result.prefill_tokens_per_second,
         "prefill_speedup": compared["prefill_speedup"],
+        "prefill_speedup_range": "-".join(f"{r:.2f}" for r in compared["prefill_speedup_range"]),
         "generate_tok_s": result.generate_tokens_per_second,
         "generate_speedup": compared["generate_speedup"],
+        "generate_speedup_range": "-".join(f"{r:.2f}" for r in compared["generate_speedup_range"]),
         "logits_cosine": compared["cosine"],
         "top1_agreement": compared["top1_agreement"],
         "weight_bytes": result.weight_bytes,
+        "resident_bytes": result.resident_bytes,
+        "resident_vs_unquantized": compared["resident_bytes_ratio"],
         "model_bytes_vs_bf16": result.weight_bytes / bf16_bytes(model),
         "quantized_layers_bytes_vs_bf16": quantized / (original / model_itemsize * BF16_BYTES),
     }
@@ -81,6 +86,7 @@ def baseline_row(baseline) -> dict:
         "logits_cosine": 1.0,
         "top1_agreement": 1.0,
         "weight_bytes": baseline.weight_bytes,
+        "resident_bytes": baseline.resident_bytes,
     }
 
 
@@ -194,6 +200,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompt-length", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    parser.add_argument("--rounds", type=int, default=5, help="timing rounds, unquantized and quantized alternating")
     parser.add_argument("--compile-formats", default="int8_weight_only,fp8_per_channel",
                         help="formats in the compile-time study ('' skips it)")  # fmt: skip
     parser.add_argument("--compile-repeats", type=int, default=3)
@@ -208,7 +215,7 @@ def main(argv=None) -> int:
     loaded = load_model(args.model, dtype=args.dtype, device=args.device)
     model = loaded.model
     parameter = next(model.parameters())
-    ids = prompt_ids(loaded.vocab_size, args.prompt_length, device=parameter.device)
+    ids = loaded.prompt(args.prompt_length)
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     print(f"{loaded.description}; prompt {args.prompt_length} tokens, {args.new_tokens} generated; "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads", flush=True)  # fmt: skip
@@ -218,18 +225,22 @@ def main(argv=None) -> int:
     with torch._inductor.config.patch(fx_graph_cache=False):
         compile_seconds(model, ids, "inductor")  # untimed
         baseline = measure(model, ids, None, new_tokens=args.new_tokens)
-        rows = [{**baseline_row(baseline), "model_bytes_vs_bf16": baseline.weight_bytes / bf16_bytes(model)}]
-        failed = {}
+        rows, failed = [], {}
         for name in formats:
             print(f"measuring {name}", flush=True)
             try:
                 config = QuantizationConfig(linear=name, moe=name)
-                result = measure(model, ids, config, name, new_tokens=args.new_tokens)
+                result = measure(quantized_copy(model), ids, config, name, new_tokens=args.new_tokens)
             except Exception as e:  # a format this device can't run: report it, measure the others
                 failed[name] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 print(f"  {name} failed: {failed[name]}", flush=True)
                 continue
-            rows.append(format_row(model, baseline, result, parameter.element_size()))
+            timed_baseline, result = time_side_by_side([baseline, result], ids, rounds=args.rounds)
+            result.forward = None  # the quantized copy may go
+            if not rows:  # the unquantized row: its timings from the first format's rounds
+                bf16_ratio = baseline.weight_bytes / bf16_bytes(model)
+                rows.append({**baseline_row(timed_baseline), "model_bytes_vs_bf16": bf16_ratio})
+            rows.append(format_row(model, timed_baseline, result, parameter.element_size()))
     study_formats = [f.strip() for f in args.compile_formats.split(",") if f.strip()]
     compile_rows = compile_study(model, ids, study_formats, args.compile_repeats) if study_formats else []
 

@@ -16,7 +16,8 @@ import functools
 import suites
 import torch
 import torch.nn.functional as F
-from providers import BASELINE, DTYPE, device, measure, skip_unless_runnable, spec_of
+from providers import BASELINE, DTYPE, clone, device, measure, skip_unless_runnable, spec_of
+from providers import weight_copies as copies_for
 
 import quantpass as qp
 from quantpass.kernels import ops
@@ -86,8 +87,10 @@ def test_moe(benchmark, record, moe_case):
     touched = topk_ids.unique().numel() / shape.experts  # weight bytes count the experts a call reads
     if provider == BASELINE:
         w13, w2 = experts(shape.experts, shape.hidden, shape.intermediate)
-        fn = lambda: grouped_mm_experts(x, topk_weights, topk_ids, w13, w2)  # noqa: E731
         weight_bytes = (w13.numel() + w2.numel()) * w13.element_size()
+
+        def call_for(w13, w2):
+            return lambda: grouped_mm_experts(x, topk_weights, topk_ids, w13, w2)
     else:
         problem = Problem(
             n=shape.intermediate,
@@ -103,11 +106,16 @@ def test_moe(benchmark, record, moe_case):
         w13, w2 = ops.prepare_moe_weights(provider, w13, w2, "concat")
         kernel, activation_key = backend_module(provider).fused_moe, spec_of(format_name).activation
         gated = ("silu", "concat", False, SWIGLU_ALPHA, SWIGLU_LIMIT)
-        fn = lambda: kernel(x, topk_weights, topk_ids, w13, w2, None, None, None, activation_key, *gated)  # noqa: E731
+
+        def call_for(w13, w2):
+            return lambda: kernel(x, topk_weights, topk_ids, w13, w2, None, None, None, activation_key, *gated)
+
+    copies = copies_for(int(weight_bytes * touched), shape.tokens)
+    calls = [call_for(w13, w2)] + [call_for(clone(w13), clone(w2)) for _ in range(copies - 1)]
     measure(
         benchmark,
         record,
-        fn,
+        calls,
         group=shape.group,
         flops=6 * shape.tokens * shape.topk * shape.hidden * shape.intermediate,
         weight_bytes=int(weight_bytes * touched),

@@ -7,6 +7,8 @@ object that also keeps the plans of what it compiled.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import logging
 from dataclasses import dataclass, field
 
@@ -176,10 +178,40 @@ def backend(config: QuantizationConfig | dict | None = None, **options) -> Quant
 
 
 def quantpass_backend(gm, example_inputs, options: dict | None = None, mode: str | None = None):
-    """The `torch_dynamo_backends` entry point: `torch.compile(m, backend="quantpass", options=...)`."""
-    if mode not in (None, "default"):
-        raise ValueError(f"invalid mode {mode!r} for backend 'quantpass'; it takes options=, not mode=")
-    return backend(**(options or {}))(gm, example_inputs)
+    """The `torch_dynamo_backends` entry point: `torch.compile(m, backend="quantpass", options=...)`.
+
+    torch.compile runs no backend code before the first call, so `options` are checked here, once
+    per graph; a bad one raises `InvalidOptionError` (a ValueError) whose first line names it.
+    """
+    try:
+        if mode not in (None, "default"):
+            raise ValueError(f"invalid mode {mode!r} for backend 'quantpass'; it takes options=, not mode=")
+        compiler = backend(**(options or {}))
+    except ValueError as e:
+        raise _invalid_option(f"quantpass options: {e}", inspect.currentframe()) from None
+    return compiler(gm, example_inputs)
+
+
+class InvalidOptionError(ValueError):
+    """A bad `options=` of `torch.compile(..., backend="quantpass")`, found at the first call."""
+
+
+def _invalid_option(message: str, frame) -> InvalidOptionError:
+    """Dynamo wraps what a backend raises in BackendCompilerFailed, whose message starts with
+    "backend='quantpass' raised:"; a ShortenTraceback it re-raises as it is, minus Dynamo's frames."""
+    error_class = _dynamo_pass_through_error()
+    if error_class is None:  # a torch without it: Dynamo's wrapper line comes first
+        return InvalidOptionError(message)
+    return error_class(message, first_useful_frame=frame)
+
+
+@functools.cache
+def _dynamo_pass_through_error():
+    try:
+        from torch._dynamo.exc import ShortenTraceback
+    except ImportError:
+        return None
+    return type("InvalidOptionError", (ShortenTraceback, InvalidOptionError), {"__module__": __name__})
 
 
 def experts_warning(model) -> str | None:

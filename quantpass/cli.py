@@ -1,6 +1,7 @@
 """`quantpass` / `python -m quantpass`: run (the main job), explain, formats.
 
-Bad flags or values print one line on stderr and exit with code 2 (no traceback).
+Everything a command line says is checked before any work starts (flags, formats, device, output
+paths, prompt length); bad input prints one line on stderr and exits with code 2 (no traceback).
 """
 
 from __future__ import annotations
@@ -13,12 +14,30 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
+from .presets import default_preset
 from .quant_registry.spec import SHORTHANDS, QuantizationConfig, QuantSpec, parse_cli
 
 COMMANDS = ("explain", "formats", "run")
-DEFAULT_CONFIG = {"linear": "fp8_per_channel", "moe": "mxfp8"}
-DEFAULT_LABEL = "default"  # --compare name for DEFAULT_CONFIG
+DEFAULT_LABEL = "default"  # --compare name for the device's default formats
+# What `quantpass run` compares when no format is given, per device type: one entry per format
+# run, each kind taking the first name whose oracle pick on this device is a fast kernel (not the
+# dequantizing `reference`). CPU: the cpu backend's weight-only INT8/INT4 kernels (FP8 and MX
+# formats have only `reference` there); they win in bf16 models (see presets.default_dtype).
+# CUDA: FP8 linears and MXFP8 experts where a kernel runs them, else the next fast format.
+DEVICE_DEFAULTS: dict[str, list[dict[str, list[str]]]] = {
+    "cpu": [
+        {"linear": ["int8_weight_only"], "moe": ["int8_weight_only"]},
+        {"linear": ["int4_weight_only"], "moe": ["int4_weight_only"]},
+    ],
+    "cuda": [
+        {"linear": ["fp8_per_channel", "int8_weight_only"], "moe": ["mxfp8", "fp8_per_channel", "int8_weight_only"]},
+    ],
+}
+# The sizes the oracle is asked about when choosing defaults (its answers depend on them little).
+LINEAR_PROBLEM = {"n": 4096, "k": 4096}
+MOE_PROBLEM = {"n": 1536, "k": 4096, "experts": 64, "topk": 8, "activation": "silu"}
 
 
 class UsageError(ValueError):
@@ -32,26 +51,31 @@ class _Parser(argparse.ArgumentParser):
 
 def _parser() -> argparse.ArgumentParser:
     from .lowering import LOWERINGS
-    from .presets import DEFAULT_PRESET, DTYPES, PRESETS
+    from .presets import DEFAULT_PRESETS, DTYPES, PRESETS
 
     root = _Parser(prog="quantpass", description="Quantize the linear and MoE layers of a model with torch.compile.")
     commands = root.add_subparsers(dest="command", parser_class=_Parser)
     quantization_help = (
-        "--quantization NAME and --quantization-config.FIELD[.SUB] VALUE set the format "
-        f"(default: linear {DEFAULT_CONFIG['linear']}, moe {DEFAULT_CONFIG['moe']}; see `quantpass formats`)"
+        "--quantization NAME and --quantization-config.FIELD[.SUB] VALUE set the format (default: the "
+        "formats with a fast kernel on the device: INT8 and INT4 weight-only on CPU, FP8 + MXFP8 on CUDA; "
+        "see `quantpass formats`)"
     )
     run = commands.add_parser("run", help="compile a model with quantpass and compare it with the unquantized one")
     explain = commands.add_parser("explain", help="print the plan: what quantpass would do to every layer")
     formats = commands.add_parser("formats", help="the format names, their keys and the backends per device")
     for sub in (run, explain):
         sub.epilog = quantization_help
-        sub.add_argument("--model", default=DEFAULT_PRESET, help=f"a preset ({', '.join(PRESETS)}) or a checkpoint dir")
-        sub.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-        sub.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: float32 on CPU, else bf16")
+        sub.add_argument(
+            "--model",
+            help=f"a preset ({', '.join(PRESETS)}; default per device: {DEFAULT_PRESETS}) or a checkpoint dir",
+        )
+        sub.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available)")
+        sub.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16")
         sub.add_argument("--prompt-length", type=_positive, default=16)
         sub.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     run.add_argument("--compare", metavar="FMT1,FMT2", help=f"formats to compare (shorthands or {DEFAULT_LABEL!r})")
     run.add_argument("--new-tokens", type=_positive, default=8, help="greedy tokens generated for the speed test")
+    run.add_argument("--rounds", type=_positive, default=5, help="timing rounds, the two models alternating")
     run.add_argument("--lowering", default="inductor", choices=LOWERINGS)
     run.add_argument(
         "--threads",
@@ -59,6 +83,11 @@ def _parser() -> argparse.ArgumentParser:
         help="CPU threads for torch (default: torch's; 1 steadies timings on a busy machine)",
     )
     run.add_argument("--no-verify", action="store_true", help="skip the per-site SQNR check at compile time")
+    run.add_argument(
+        "--keep-original-weights",
+        action="store_true",
+        help="keep each quantized weight's full-precision original (default: its storage is freed)",
+    )
     run.add_argument("--debug-dir", metavar="DIR", help="dump graphs, plans and depyf output per compile here")
     formats.add_argument("--markdown", action="store_true", help="a Markdown table (as in README.md)")
     return root
@@ -82,8 +111,16 @@ def main(argv=None) -> int:
                 raise UsageError("formats takes no --quantization flags")
             return _formats(args)
         named = any(a == "--quantization" or a.startswith("--quantization=") for a in argv)
-        configs = _configs(config, getattr(args, "compare", None), named)
         with _quiet():
+            args.device = _device(args.device)
+            preset_defaulted, args.model = args.model is None, args.model or default_preset(args.device)
+            model_config = _check_before_work(args)
+            configs, why = _configs(config, getattr(args, "compare", None), named, args.device)
+            _check_configs(configs, args.device, model_config)
+            if why and preset_defaulted:
+                why += f"; the {args.model} preset is the default model on {args.device}"
+            if why:
+                _step(why)
             return _explain(args, configs[0][1]) if args.command == "explain" else _run(args, configs)
     except ValueError as e:  # bad flags, names or values (quantpass errors name the valid choices)
         print(f"quantpass: error: {e}", file=sys.stderr)
@@ -96,36 +133,159 @@ def main(argv=None) -> int:
         return 1
 
 
-def _configs(flags: QuantizationConfig, compare: str | None, named: bool) -> list[tuple[str, QuantizationConfig]]:
-    """(label, config) per format to run; `named`: --quantization was given. Dotted flags apply on
-    top of each format."""
+# -- checks before any work -----------------------------------------------------------------------
+
+
+def _device(text: str | None) -> str:
+    """A device this process can use, or a UsageError naming the ones it can."""
+    import torch
+
+    from .presets import default_device
+
+    if text is None:
+        return default_device()
+    cuda = [f"cuda:{i}" for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
+    valid = ", ".join(["cpu", *(["cuda"] if cuda else []), *cuda])
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise UsageError(f"invalid device {text!r}; valid here: {valid}") from None
+    if device.type == "cpu":
+        return text
+    if device.type != "cuda":
+        raise UsageError(f"invalid device {text!r}: quantpass runs on cpu and cuda; valid here: {valid}")
+    if not cuda:
+        raise UsageError(
+            f"invalid device {text!r}: this torch ({torch.__version__}) sees no CUDA device; valid here: cpu"
+        )
+    if device.index is not None and device.index >= len(cuda):
+        raise UsageError(f"invalid device {text!r}: there are {len(cuda)} CUDA devices; valid here: {valid}")
+    return text
+
+
+def _check_before_work(args):
+    """Output paths, the model and the prompt length; returns the model's transformers config."""
+    from .presets import model_config
+
+    if args.json:
+        _check_output_file(args.json, "--json")
+    if getattr(args, "debug_dir", None):
+        _check_output_dir(args.debug_dir, "--debug-dir")
+    config = model_config(args.model)  # raises naming the presets for a bad --model
+    positions = getattr(config.get_text_config(), "max_position_embeddings", None)
+    needed = args.prompt_length + getattr(args, "new_tokens", 0)
+    if positions is not None and needed > positions:
+        plus = f" + --new-tokens {args.new_tokens}" if args.command == "run" else ""
+        raise UsageError(
+            f"invalid --prompt-length {args.prompt_length}: the model {args.model!r} has {positions} positions "
+            f"(--prompt-length{plus} must fit)"
+        )
+    return config
+
+
+def _check_output_file(path: str, flag: str) -> None:
+    target = Path(path)
+    if target.is_dir():
+        raise UsageError(f"invalid {flag} {path!r}: it is a directory; give a file path")
+    parent = target.parent
+    if not parent.is_dir():
+        raise UsageError(f"invalid {flag} {path!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise UsageError(f"invalid {flag} {path!r}: not writable")
+
+
+def _check_output_dir(path: str, flag: str) -> None:
+    folder = Path(path)
+    existing = next(p for p in (folder, *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise UsageError(f"invalid {flag} {path!r}: {str(existing)!r} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        raise UsageError(f"invalid {flag} {path!r}: {str(existing)!r} is not writable")
+
+
+def _check_configs(configs: list[tuple[str, QuantizationConfig]], device: str, model_config) -> None:
+    """Each spec has a kernel on this device (no compile is spent learning that it hasn't)."""
+    import torch
+
+    from .kernels.oracle import candidates
+
+    kinds = ["linear", "moe"] if _is_moe(model_config) else ["linear"]
+    device_type = torch.device(device).type
+    for label, config in configs:
+        checks = [(spec, [kind]) for kind in kinds if (spec := getattr(config, kind)) is not None]
+        checks += [(spec, kinds) for spec in config.targets.values() if spec is not None]  # a layer of any kind
+        for spec, spec_kinds in checks:
+            if spec.weight is not None and all(candidates(k, spec.pair, device_type) is None for k in spec_kinds):
+                raise UsageError(
+                    f"format {label!r}: no {' or '.join(spec_kinds)} kernel for weight {spec.weight} with activation "
+                    f"{spec.activation or 'none'} (see `quantpass formats` for the pairs each kind runs)"
+                )
+
+
+def _is_moe(model_config) -> bool:
+    text = model_config.get_text_config()
+    return any(getattr(text, name, 0) for name in ("num_experts", "num_local_experts", "n_routed_experts"))
+
+
+# -- formats --------------------------------------------------------------------------------------
+
+
+def _configs(flags: QuantizationConfig, compare: str | None, named: bool, device: str):
+    """([(label, config)] per format to run, the line saying why when defaults were chosen);
+    `named`: --quantization was given. Dotted flags apply on top of each format."""
     if compare is None:
-        config = flags if named else _with_default(flags)
-        return [(_label(config) if named else DEFAULT_LABEL, config)]
+        if named:
+            return [(_label(flags), flags)], None
+        defaults, why = device_defaults(device)
+        return [(label, config.merged_with(flags)) for label, config in defaults], why
     if named:
         raise UsageError("--compare and --quantization both choose formats; use one of them")
-    configs = []
+    configs, why = [], None
     for name in filter(None, (n.strip() for n in compare.split(","))):
         if name == DEFAULT_LABEL:
-            configs.append((name, _with_default(flags)))
+            defaults, why = device_defaults(device)
+            configs += [(label, config.merged_with(flags)) for label, config in defaults]
             continue
         if name not in SHORTHANDS:
             QuantSpec.from_name(name)  # raises naming the valid names when it isn't a key either
         configs.append((name, QuantizationConfig(linear=name, moe=name).merged_with(flags)))
     if not configs:
         raise UsageError(f"--compare {compare!r} names no format; e.g. --compare {DEFAULT_LABEL},int8_per_channel")
-    return configs
+    return configs, why
 
 
-def _with_default(flags: QuantizationConfig) -> QuantizationConfig:
-    """DEFAULT_CONFIG under the flags: a flag giving a kind's weight format replaces the default
-    spec; one giving only its activation (`--quantization-config.moe.activation none`) edits it."""
-    base = {}
-    for kind, name in DEFAULT_CONFIG.items():
-        spec = getattr(flags, kind)
-        if kind not in flags.fields_set or (spec is not None and "weight" not in spec.fields_set):
-            base[kind] = name
-    return QuantizationConfig(**base).merged_with(flags)
+def device_defaults(device: str) -> tuple[list[tuple[str, QuantizationConfig]], str]:
+    """The formats `quantpass run` compares on `device` when none is given, and one line saying why."""
+    import torch
+
+    from .kernels.oracle import Capability, NoKernelError, Problem, select
+    from .presets import default_dtype
+
+    capability = Capability.detect(device)
+    problems = {"linear": Problem(**LINEAR_PROBLEM), "moe": Problem(**MOE_PROBLEM)}
+    runs, backends = [], []
+    for per_kind in DEVICE_DEFAULTS[torch.device(device).type]:
+        names = {}
+        for kind, options in per_kind.items():
+            for name in options:
+                spec = QuantSpec.from_name(name)
+                try:
+                    backend = select(kind, spec.weight, spec.activation, capability, problems[kind]).backend
+                except NoKernelError:
+                    continue
+                if backend != "reference" or name == options[-1]:
+                    names[kind] = name
+                    backends.append(backend)
+                    break
+        config = QuantizationConfig(**names)
+        runs.append((_label(config), config))
+    labels = " and ".join(label for label, _ in runs)
+    kernels = ", ".join(dict.fromkeys(backends))
+    why = (
+        f"no format given: comparing {labels} in {default_dtype(device)} with the unquantized model, the formats "
+        f"with a fast kernel on {device} (backend {kernels}); --quantization, --compare and --dtype choose others"
+    )
+    return runs, why
 
 
 def _label(config: QuantizationConfig) -> str:
@@ -177,12 +337,15 @@ def _quiet():
                 logger.setLevel(level)
 
 
-def _load(args):
-    from .presets import load_model, prompt_ids
+# -- commands -------------------------------------------------------------------------------------
+
+
+def _load(args, trained: bool = True):
+    from .presets import load_model
 
     _step(f"loading model {args.model!r}")
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device)
-    ids = prompt_ids(loaded.vocab_size, args.prompt_length, device=next(loaded.model.parameters()).device)
+    loaded = load_model(args.model, dtype=args.dtype, device=args.device, progress=_step, trained=trained)
+    ids = loaded.prompt(args.prompt_length)
     _step(f"{loaded.description}; {loaded.parameters / 1e6:.2f} M parameters; prompt of {ids.shape[1]} tokens")
     return loaded, ids
 
@@ -190,7 +353,7 @@ def _load(args):
 def _explain(args, config: QuantizationConfig) -> int:
     from .backend import explain
 
-    loaded, ids = _load(args)
+    loaded, ids = _load(args, trained=False)  # a plan depends on the architecture, not the weights
     _step(f"capturing with Dynamo and planning {_label(config)}")
     plan = _guarded(lambda: explain(loaded.model, ids, config=config))
     print(plan)
@@ -202,10 +365,10 @@ def _explain(args, config: QuantizationConfig) -> int:
 def _run(args, configs) -> int:
     from .backend import BackendOptions
     from .debug import depyf_session
-    from .measure import measure, warm_up
+    from .measure import measure, quantized_copy, time_side_by_side, warm_up
     from .report import comparison, run_table, summary_table
 
-    options = {"lowering": args.lowering, "verify": not args.no_verify}
+    options = backend_options(args)
     for _, config in configs:
         BackendOptions.parse(config=config, **options)  # bad options fail before any work
     if args.threads:
@@ -220,20 +383,25 @@ def _run(args, configs) -> int:
         warm_up(args.lowering, ids.device)
     _step(f"[1/{steps}] unquantized: compiling ({args.lowering}) and generating {args.new_tokens} tokens")
     baseline = measure(loaded.model, ids, None, lowering=args.lowering, new_tokens=args.new_tokens)
-    results = []
+    pairs = []
     for i, (label, config) in enumerate(configs, start=2):
-        _step(f"[{i}/{steps}] {label}: compiling with quantpass ({args.lowering}) and generating")
+        _step(f"[{i}/{steps}] {label}: compiling with quantpass ({args.lowering}), then {args.rounds} timing rounds")
         debug_dir = f"{args.debug_dir}/{label}" if args.debug_dir else None  # compile_NNN/ and depyf/
+        model = quantized_copy(loaded.model)
         with depyf_session(debug_dir):
             result = _guarded(
-                lambda config=config, label=label, debug_dir=debug_dir: measure(
-                    loaded.model, ids, config, label, new_tokens=args.new_tokens, debug_dir=debug_dir, **options
+                lambda model=model, config=config, label=label, debug_dir=debug_dir: measure(
+                    model, ids, config, label, new_tokens=args.new_tokens, debug_dir=debug_dir, **options
                 )
             )
-        results.append(result)
-        print(f"\n== {label}: {_label(config)} ==\n{result.plan}\n\n{run_table(baseline, result, args.lowering)}")
-    if len(results) > 1:
-        print(f"\n== summary (vs unquantized, {loaded.name}) ==\n{summary_table(baseline, results)}")
+        timed_baseline, timed_result = time_side_by_side([baseline, result], ids, rounds=args.rounds)
+        timed_baseline.forward = timed_result.forward = result.forward = None  # the copy may go
+        del model
+        pairs.append((timed_baseline, timed_result))
+        table = run_table(timed_baseline, timed_result, args.lowering)
+        print(f"\n== {label}: {_label(config)} ==\n{timed_result.plan}\n\n{table}", flush=True)
+    if len(pairs) > 1:
+        print(f"\n== summary (vs unquantized, {loaded.name}) ==\n{summary_table(*zip(*pairs))}")
     _step(f"done in {time.perf_counter() - started:.0f} s")
     if args.json:
         payload = {
@@ -242,10 +410,26 @@ def _run(args, configs) -> int:
             "new_tokens": args.new_tokens,
             "lowering": args.lowering,
             "baseline": baseline.to_dict(),
-            "formats": [{**r.to_dict(), **comparison(baseline, r)} for r in results],
+            "formats": [
+                {
+                    **r.to_dict(),
+                    **comparison(b, r),
+                    "baseline_timings": {"prefill_seconds": b.prefill_seconds, "generate_seconds": b.generate_seconds},
+                }
+                for b, r in pairs
+            ],
         }
         _write_json(args.json, payload)
     return 0
+
+
+def backend_options(args) -> dict:
+    """The quantpass backend options `quantpass run`'s flags give."""
+    return {
+        "lowering": args.lowering,
+        "verify": not args.no_verify,
+        "keep_original_weights": args.keep_original_weights,
+    }
 
 
 def _guarded(fn):

@@ -36,9 +36,15 @@ def linear(
 ) -> torch.Tensor:
     """x [..., K] @ dequantized(weight [N, K]).T (+ bias), with the activation quantized per `spec`.
 
-    `spec` defaults to the weight key with its default activation. The oracle's choice is cached
-    per (device, spec, shape, backend), the backend's weight layout per QTensor object.
+    `weight` is a QTensor (`qp.quantize(w, "int8_weight_only")`); `spec` defaults to its key with
+    that key's default activation. The oracle's choice is cached per (device, spec, shape, backend),
+    the backend's weight layout per QTensor object.
     """
+    if not isinstance(weight, QTensor):
+        raise TypeError(
+            f"qp.linear takes a quantized weight, got {type(weight).__name__}: quantize it once first, "
+            "e.g. qp.linear(x, qp.quantize(weight, 'int8_weight_only'))"
+        )
     spec = QuantSpec(weight.key) if spec is None else QuantSpec.coerce(spec, "spec")
     if spec.weight != weight.key:
         raise ValueError(f"spec weight {spec.weight} does not match the QTensor's key {weight.key}")
@@ -50,4 +56,6 @@ def linear(
     prepared = _prepare(weight, selection.backend)
     call = ops.linear_call(selection.backend, x.device.type)
     key, activation = ops.key_arg(spec.weight), ops.key_arg(spec.activation)
-    return call(x, *prepared.tensors(), bias, key, activation, selection.backend, n)
+    data, scale, scale2, input_scale = ops.op_tensors(prepared, spec)
+    static = () if input_scale is None else (input_scale,)  # a checkpoint's calibrated activation scale
+    return call(x, data, scale, scale2, bias, key, activation, selection.backend, n, *static)

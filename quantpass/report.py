@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from .kernels.oracle import CANDIDATES, REFERENCE_CAPABILITIES, kernel_table
-from .measure import Measurement, logits_agreement
+from .measure import Measurement, logits_agreement, speedup
 from .plan import Plan
 from .quant_registry.spec import ROLE_NAMES, SHORTHANDS, QuantizationConfig
 
@@ -85,66 +85,102 @@ def kernels_used(plan: Plan) -> str:
 
 
 def comparison(baseline: Measurement, quantized: Measurement) -> dict:
-    """The numbers a run reports for one format, against the unquantized compiled model."""
+    """The numbers a run reports for one format, against the unquantized compiled model timed in
+    the same rounds. Speed-ups: median of the per-round ratios, their range, and whether that range
+    includes 1 (noise). The compile-time ratio is None when the two compiles met different states
+    of Inductor's kernel cache (`CompileCost.comparable`)."""
     cos, top1 = logits_agreement(baseline.logits, quantized.logits)
     same = sum(a == b for a, b in zip(baseline.tokens, quantized.tokens))
-    return {
+    comparable = baseline.compile.comparable(quantized.compile)
+    out = {
         "cosine": cos,
         "top1_agreement": top1,
         "generated_tokens_same": same,
         "weight_bytes_ratio": quantized.weight_bytes / baseline.weight_bytes,
-        "compile_time_ratio": quantized.compile_seconds / baseline.compile_seconds,
-        "prefill_speedup": quantized.prefill_tokens_per_second / baseline.prefill_tokens_per_second,
-        "generate_speedup": quantized.generate_tokens_per_second / baseline.generate_tokens_per_second,
+        "resident_bytes_ratio": quantized.resident_bytes / baseline.resident_bytes,
+        "compile_time_ratio": quantized.compile_seconds / baseline.compile_seconds if comparable else None,
     }
+    for phase in ("prefill", "generate"):
+        ratio = speedup(getattr(baseline, f"{phase}_seconds"), getattr(quantized, f"{phase}_seconds"))
+        out |= {f"{phase}_speedup": ratio.median, f"{phase}_speedup_range": [ratio.low, ratio.high]}
+        out[f"{phase}_speedup_within_noise"] = ratio.noise
+    return out
+
+
+def _rate(m: Measurement, phase: str, digits: int) -> str:
+    """'tokens/s median (slowest-fastest round)'."""
+    units = m.prompt_tokens if phase == "prefill" else m.new_tokens
+    seconds = getattr(m, f"{phase}_seconds")
+    median = getattr(m, f"{phase}_tokens_per_second")
+    return f"{median:.{digits}f} ({units / max(seconds):.{digits}f}-{units / min(seconds):.{digits}f})"
+
+
+def _speedup(c: dict, phase: str) -> str:
+    low, high = c[f"{phase}_speedup_range"]
+    noise = ", within noise" if c[f"{phase}_speedup_within_noise"] else ""
+    return f"{c[f'{phase}_speedup']:.2f}x ({low:.2f}-{high:.2f}{noise})"
+
+
+def _compile_cell(m: Measurement) -> str:
+    label = m.compile.label()
+    return f"{m.compile_seconds:.1f} s" + (f" ({label})" if label else "")
 
 
 def run_table(baseline: Measurement, quantized: Measurement, lowering: str) -> str:
     c = comparison(baseline, quantized)
-    new_tokens = len(baseline.tokens)
+    new_tokens = baseline.new_tokens
+    compile_ratio = "-" if c["compile_time_ratio"] is None else f"{c['compile_time_ratio']:.2f}x"
     rows = [
         ["layers quantized", "-", layers_quantized(quantized.plan), ""],
         ["kernels", lowering, f"{kernels_used(quantized.plan)} (+ {lowering})", ""],
         ["weight bytes", mib(baseline.weight_bytes), mib(quantized.weight_bytes), f"{c['weight_bytes_ratio']:.2f}x"],
+        [
+            "resident weight memory",
+            mib(baseline.resident_bytes),
+            mib(quantized.resident_bytes),
+            f"{c['resident_bytes_ratio']:.2f}x",
+        ],
         ["logits cosine similarity", "1", f"{c['cosine']:.4f}", ""],
         ["top-1 token agreement", "100.0%", f"{100 * c['top1_agreement']:.1f}%", ""],
         ["greedy tokens identical", f"{new_tokens}/{new_tokens}", f"{c['generated_tokens_same']}/{new_tokens}", ""],
-        [
-            "compile time (first call)",
-            f"{baseline.compile_seconds:.1f} s",
-            f"{quantized.compile_seconds:.1f} s",
-            f"{c['compile_time_ratio']:.2f}x",
-        ],
-        [
-            "prefill tokens/s",
-            f"{baseline.prefill_tokens_per_second:.0f}",
-            f"{quantized.prefill_tokens_per_second:.0f}",
-            f"{c['prefill_speedup']:.2f}x",
-        ],
+        ["compile time (first call)", _compile_cell(baseline), _compile_cell(quantized), compile_ratio],
+        ["prefill tokens/s", _rate(baseline, "prefill", 0), _rate(quantized, "prefill", 0), _speedup(c, "prefill")],
         [
             f"generate tokens/s ({new_tokens} greedy)",
-            f"{baseline.generate_tokens_per_second:.1f}",
-            f"{quantized.generate_tokens_per_second:.1f}",
-            f"{c['generate_speedup']:.2f}x",
+            _rate(baseline, "generate", 1),
+            _rate(quantized, "generate", 1),
+            _speedup(c, "generate"),
         ],
     ]
-    return table(["", "unquantized", quantized.name, "ratio"], rows)
+    text = table(["", "unquantized", quantized.name, "ratio"], rows)
+    notes = [
+        f"tokens/s: median of {len(baseline.prefill_seconds)} rounds (slowest-fastest), the two models alternating"
+    ]
+    if c["compile_time_ratio"] is None:
+        notes.append(
+            "compile times not compared: Inductor built kernels from source during at least one of them, "
+            "which later compiles reuse from its cache; a second run compares the two with every kernel cached"
+        )
+    return text + "\n" + "\n".join(f"({note})" for note in notes)
 
 
-def summary_table(baseline: Measurement, results: list[Measurement]) -> str:
+def summary_table(baseline_by_format: list[Measurement], results: list[Measurement]) -> str:
     rows = []
-    for m in results:
+    for baseline, m in zip(baseline_by_format, results):
         c = comparison(baseline, m)
         rows.append(
             [
                 m.name,
                 layers_quantized(m.plan),
                 f"{c['weight_bytes_ratio']:.2f}x",
+                f"{c['resident_bytes_ratio']:.2f}x",
                 f"{c['cosine']:.4f}",
                 f"{100 * c['top1_agreement']:.1f}%",
-                f"{m.compile_seconds:.1f} s",
-                f"{c['generate_speedup']:.2f}x",
+                f"{c['generated_tokens_same']}/{m.new_tokens}",
+                _speedup(c, "prefill"),
+                _speedup(c, "generate"),
             ]
         )
-    headers = ["format", "layers quantized", "weight bytes", "cosine", "top-1", "compile", "generate speed"]
+    headers = ["format", "layers quantized", "weight bytes", "resident", "cosine", "top-1", "greedy", "prefill speed",
+               "generate speed"]  # fmt: skip
     return table(headers, rows)

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (the GPU tier); skipped without one")
+    config.addinivalue_line("markers", "slow: more of a matrix the default tier samples (make test-slow)")
     # quantpass filters this torch warning itself (weight_cache.py: its forward pre-hook is global),
     # but pytest resets warning filters per test
     config.addinivalue_line("filterwarnings", "ignore:Using `torch.compile\\(module\\)` when there are global hooks")

@@ -1,11 +1,13 @@
-"""quantpass's INT4 and INT8 CPU kernels (csrc/linear_avx2.c): layout, numerics against a float64
-product of the same quantized weight on odd shapes (every tile and tail path, outputs poisoned with
-NaN), threads, the build cache, and each reason they can't run."""
+"""quantpass's INT4 and INT8 CPU kernels (csrc/linear_avx2.c): every tile and tail path of every mode
+against a float64 emulation of the same arithmetic on odd shapes (outputs poisoned with NaN), the dtypes
+of x, bias and out, 1 vs 2 threads bit for bit, non-finite activations, the build cache, and each reason
+they can't run."""
 
 import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from quantpass.kernels import cpu_avx2
 from quantpass.metrics import sqnr
@@ -14,83 +16,133 @@ from quantpass.quant_registry.formats import unpack_int4
 from quantpass.quant_registry.keys import kInt4StaticGroup128Sym, kInt8StaticChannelSym
 
 needs_kernel = pytest.mark.skipif(not cpu_avx2.available()[0], reason=f"kernel can't run: {cpu_avx2.available()[1]}")
-# fp32 accumulation of exact products (codes are small integers, scales fp32) against float64:
-# >= 122.8 dB (INT4) measured on these shapes (2026-11-29); bf16 rounding alone would be ~50 dB.
-FLOOR_DB = 110
+KEYS = {4: kInt4StaticGroup128Sym, 8: kInt8StaticChannelSym}
+PROBE = cpu_avx2.CSRC / "read_bandwidth.c"
+QMAX = {"int8": 127.0, "int16": 32767.0}  # the integer modes' activation range, per block of 128
+# fp32 sums of exact products (or of exact integer dot products) against float64: >= 106 dB measured
+# on these shapes (2026-12-01); one wrong block or row would be < 40 dB, bf16 rounding alone ~50 dB.
+FLOOR_DB = 95
+M_VALUES = (1, 2, 3, 4, 5, 8, 9, 33)  # tiles of 1-4 activation rows and their repeats
+N_VALUES = (1, 2, 3, 5, 9, 17, 67)  # every tile width (8, 4, 2 rows) with tails
 
 
-def operands(m, n, k, seed=0, bits=4):
-    """x zero-padded to Kp (as the cpu backend passes it), the kernel's bytes and scales, and the
-    float64 reference product of the same quantized weight."""
-    gen = torch.Generator().manual_seed(seed)
-    w, x = torch.randn(n, k, generator=gen), torch.randn(m, k, generator=gen)
-    if bits == 8:  # K padded to 8 with zero columns, as cpu.prepare_weight does
-        qt = quantize(w, kInt8StaticChannelSym)
-        data = torch.nn.functional.pad(qt.data, (0, -k % 8)).contiguous()
-        x_padded = torch.nn.functional.pad(x, (0, data.shape[-1] - k))
-        expected = x.double() @ (qt.data.double() * qt.scale.double()).T
-        return x_padded, data, qt.scale.reshape(-1).float().contiguous(), expected
-    qt = quantize(w, kInt4StaticGroup128Sym)
-    kp = qt.data.shape[-1] * 2
+def weight(n, k, bits, seed=0):
+    return quantize(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)), KEYS[bits])
+
+
+def dequantized(qt, bits) -> torch.Tensor:
+    """float64 [N, kp]: the kernel's weight columns (INT4: the data's padded Kp)."""
+    if bits == 8:
+        return qt.data.double() * qt.scale.double()
     values = unpack_int4(qt.data).double().unflatten(-1, (-1, 128)) * qt.scale.double().unsqueeze(-1)
-    x_padded = torch.nn.functional.pad(x, (0, kp - k))
-    data = cpu_avx2.pack((unpack_int4(qt.data).to(torch.int16) + 8).to(torch.uint8))
-    return x_padded, data, qt.scale.float().contiguous(), x_padded.double() @ values.flatten(-2).T
+    return values.flatten(-2)
 
 
-def test_pack_layout_and_round_trip():
-    codes = torch.randint(0, 16, (3, 256), dtype=torch.uint8)
-    packed = cpu_avx2.pack(codes)
-    assert packed.shape == (3, 128) and packed.dtype == torch.uint8
-    # byte 8c + i = code(16c + i) | code(16c + 8 + i) << 4
-    assert packed[1, 8 * 5 + 3] == codes[1, 16 * 5 + 3] | (codes[1, 16 * 5 + 8 + 3] << 4)
-    assert torch.equal(cpu_avx2.unpack(packed), codes)
+def expected(x, qt, bits, mode):
+    """float64 result of the kernel's arithmetic: exact, or x quantized per block of 128 columns as the
+    kernel does (scale max|x| / qmax, x * (qmax / max|x|) rounded to nearest even, in fp32)."""
+    w = dequantized(qt, bits)
+    x = F.pad(x.float(), (0, w.shape[1] - x.shape[1]))
+    if mode == "exact":
+        return x.double() @ w.T
+    pad = -w.shape[1] % 128
+    blocks = F.pad(x, (0, pad)).unflatten(-1, (-1, 128))
+    top = blocks.abs().amax(-1, keepdim=True)
+    q = (blocks * torch.where(top > 0, QMAX[mode] / top, 0.0)).round()
+    return (q.double() * (top / QMAX[mode]).double()).flatten(-2) @ F.pad(w, (0, pad)).T
 
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("k", [100, 300, 1000])
-def test_kernel_matches_float64_on_odd_shapes(k, bits):
-    """M covers the 1-row tile and 2/3/4-row tiles with tails; N every remainder mod 4 (and mod 2)."""
-    for m in (1, 2, 3, 4, 5, 7, 33):
-        for n in (1, 2, 3, 5, 6, 7, 67):
-            x, data, scale, expected = operands(m, n, k, seed=m * 100 + n, bits=bits)
-            out = torch.full((m, n), float("nan"))
-            got = cpu_avx2.linear(x, data, scale, out=out)
-            assert got is out and not got.isnan().any(), (m, n, k)
-            assert sqnr(expected, got.double()) >= FLOOR_DB, (m, n, k)
+def test_every_path_matches_its_arithmetic_on_odd_shapes(k, bits):
+    for n in N_VALUES:
+        qt = weight(n, k, bits, seed=n)
+        for m in M_VALUES:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+            for mode in cpu_avx2.FORMAT_MODES[bits]:
+                out = torch.full((m, n), float("nan"))
+                got = cpu_avx2.linear(x, qt.data, qt.scale, out=out, mode=mode)
+                assert got is out and not got.isnan().any(), (m, n, k, mode)
+                assert sqnr(expected(x, qt, bits, mode), got) >= FLOOR_DB, (m, n, k, mode)
 
 
 @needs_kernel
 @pytest.mark.parametrize("bits", [4, 8])
-def test_bf16_input_and_threads(bits):
-    """bf16 x is read as fp32; each output is one thread's sum in a fixed order: 1 and 2 threads agree bit for bit."""
-    x, data, scale, _ = operands(9, 130, 512, bits=bits)
+def test_large_m_scratch_is_allocated_per_call(bits):
+    """M = 300 needs more scratch than the kernel keeps between calls (1 MiB): a fresh allocation."""
+    qt, x = weight(9, 1000, bits), torch.randn(300, 1000)
+    assert cpu_avx2.library().qp_scratch_bytes(300, 1000 if bits == 8 else 1024, bits, 0) > 1 << 20
+    got = cpu_avx2.linear(x, qt.data, qt.scale, out=torch.full((300, 9), float("nan")))
+    assert sqnr(expected(x, qt, bits, "exact"), got) >= FLOOR_DB
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dtypes_of_x_bias_and_out(bits):
+    """Each output is the fp32 result plus the bias, rounded once to out's dtype, bit for bit."""
+    qt, x32 = weight(40, 300, bits), torch.randn(5, 300)
+    bias32 = torch.randn(40)
+    for mode in cpu_avx2.FORMAT_MODES[bits]:
+        for dtype in cpu_avx2.DTYPES:
+            x = x32.to(dtype)
+            plain = cpu_avx2.linear(x.float(), qt.data, qt.scale, mode=mode)
+            for bias in (None, bias32.bfloat16(), bias32):
+                got = cpu_avx2.linear(x, qt.data, qt.scale, bias, mode=mode)
+                want = plain if bias is None else plain + bias.float()
+                assert got.dtype == dtype and torch.equal(got, want.to(dtype)), (mode, dtype, bias)
+            out = torch.empty(5, 40)  # out's dtype rules: x bf16/fp16 in, fp32 out
+            assert torch.equal(cpu_avx2.linear(x, qt.data, qt.scale, out=out, mode=mode), plain)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_one_and_two_threads_agree_bit_for_bit(bits):
+    """200 x 4096 is enough work for two threads; each output is one thread's sum in a fixed order."""
+    qt = weight(200, 4096, bits)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
-        one = cpu_avx2.linear(x.bfloat16(), data, scale)
-        torch.set_num_threads(2)
-        two = cpu_avx2.linear(x.bfloat16(), data, scale)
+        for m in (1, 3, 9):
+            x = torch.randn(m, 4096).bfloat16()
+            for mode in cpu_avx2.FORMAT_MODES[bits]:
+                torch.set_num_threads(1)
+                one = cpu_avx2.linear(x, qt.data, qt.scale, mode=mode)
+                torch.set_num_threads(2)
+                assert torch.equal(one, cpu_avx2.linear(x, qt.data, qt.scale, mode=mode)), (m, mode)
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
-    assert torch.equal(one, cpu_avx2.linear(x.bfloat16().float(), data, scale))
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_non_finite_activations_give_non_finite_rows(bits):
+    qt, x = weight(17, 300, bits), torch.randn(3, 300)
+    x[0, 5], x[1, 200] = float("nan"), float("inf")
+    for mode in cpu_avx2.FORMAT_MODES[bits]:
+        got = cpu_avx2.linear(x, qt.data, qt.scale, mode=mode)
+        assert got[0].isnan().all() and not got[1].isfinite().any(), mode
+        assert sqnr(expected(x[2:], qt, bits, mode), got[2:]) >= FLOOR_DB, mode
 
 
 @needs_kernel
 def test_bad_arguments_name_the_values():
-    x, data, scale, _ = operands(2, 8, 256)
-    with pytest.raises(ValueError, match=r"int4 kernel shapes: x \(2, 200\), data \(8, 128\), scale \(8, 2\)"):
-        cpu_avx2.linear(x[:, :200], data, scale)
+    int4, int8, x = weight(8, 256, 4), weight(8, 256, 8), torch.randn(2, 256)
+    with pytest.raises(ValueError, match=r"int4 kernel shapes: x \(2, 300\), data \(8, 128\), scale \(8, 2\)"):
+        cpu_avx2.linear(torch.randn(2, 300), int4.data, int4.scale)
     with pytest.raises(
         ValueError, match=r"uint8 \(INT4\) or int8 data and fp32 scales; got torch.uint8, torch.bfloat16"
     ):
-        cpu_avx2.linear(x, data, scale.bfloat16())
+        cpu_avx2.linear(x, int4.data, int4.scale.bfloat16())
     with pytest.raises(ValueError, match=r"int8 kernel shapes: x \(2, 256\), data \(8, 256\), scale \(8, 2\)"):
-        cpu_avx2.linear(x, torch.zeros(8, 256, dtype=torch.int8), scale)
-    with pytest.raises(ValueError, match=r"out must be contiguous fp32 \(2, 8\); got torch.float32 \(8, 2\)"):
-        cpu_avx2.linear(x, data, scale, out=torch.empty(8, 2))
+        cpu_avx2.linear(x, int8.data, int4.scale)
+    with pytest.raises(ValueError, match=r"invalid int4 kernel mode 'int16'; valid: exact, int8"):
+        cpu_avx2.linear(x, int4.data, int4.scale, mode="int16")
+    with pytest.raises(ValueError, match=r"x and bias must be one of .*; got torch.float64, None"):
+        cpu_avx2.linear(x.double(), int8.data, int8.scale)
+    with pytest.raises(ValueError, match=r"int8 kernel bias must be \[8\]; got \(9,\)"):
+        cpu_avx2.linear(x, int8.data, int8.scale, torch.zeros(9))
+    with pytest.raises(ValueError, match=r"out must be contiguous fp32/bf16/fp16 \(2, 8\); got torch.float32 \(8, 2\)"):
+        cpu_avx2.linear(x, int4.data, int4.scale, out=torch.empty(8, 2))
 
 
 def test_unavailable_reasons(monkeypatch):
@@ -99,25 +151,29 @@ def test_unavailable_reasons(monkeypatch):
     assert build()[1:] == (False, "QUANTPASS_CPU_KERNEL=0")
     monkeypatch.delenv("QUANTPASS_CPU_KERNEL")
     monkeypatch.setattr(cpu_avx2.platform, "machine", lambda: "aarch64")
-    assert build()[2].startswith("built for x86-64 AVX2 machines without AVX-512; this is aarch64")
+    assert build()[2].startswith("built for x86-64 CPUs with AVX2; this is aarch64")
     monkeypatch.undo()
-    for capability in ("DEFAULT", "AVX512"):
-        monkeypatch.setattr(cpu_avx2.torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
-        assert build()[1] is False and build()[2].endswith(f"with {capability}")
+    monkeypatch.setattr(cpu_avx2.torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert build()[1:] == (False, "built for x86-64 CPUs with AVX2; this is x86_64 with DEFAULT")
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_avx2.torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert build()[1] is False and "AMX" in build()[2]
     monkeypatch.undo()
     monkeypatch.setenv("CC", "/nonexistent/cc")
     assert build()[1:] == (False, "building csrc/linear_avx2.c with /nonexistent/cc failed")
     monkeypatch.setattr(cpu_avx2, "_library", lambda: (None, False, "turned off by the test"))
+    assert cpu_avx2.library() is None
     with pytest.raises(RuntimeError, match="CPU kernels can't run: turned off by the test"):
         cpu_avx2.linear(torch.zeros(1, 128), torch.zeros(1, 64, dtype=torch.uint8), torch.ones(1, 1))
 
 
 @needs_kernel
 def test_build_cache_is_reused(tmp_path, monkeypatch):
+    """(on the small bandwidth probe: the kernels take seconds to compile)"""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     compiler = os.environ.get("CC") or "cc"
-    first = cpu_avx2._build(compiler)
+    first = cpu_avx2.build(compiler, PROBE)
     assert first.parent == tmp_path / "quantpass" and first.exists()
     stamp = first.stat().st_mtime_ns
-    assert cpu_avx2._build(compiler) == first and first.stat().st_mtime_ns == stamp
+    assert cpu_avx2.build(compiler, PROBE) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary file left behind

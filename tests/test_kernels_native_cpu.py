@@ -54,6 +54,9 @@ FORMAT_FLOORS = {
 REFERENCE_FLOORS = {torch.float32: 100, torch.bfloat16: 40}
 # The cpu backend's aten kernels take fp32 activations as bf16 (10-80x faster): ~51 dB measured.
 CPU_REFERENCE_FLOORS = {torch.float32: 45, torch.bfloat16: 40}
+# quantpass's INT4 kernel quantizes activations to int8 per 128: >= 42.4 dB measured on these shapes
+# (2026-12-01), under INT4's own ~19 dB against the unquantized product.
+INT4_OURS_FLOORS = {torch.float32: 38, torch.bfloat16: 38}
 NATIVE_ON_CPU = list(FORMAT_FLOORS)
 CPU_KEYS = (kInt8StaticChannelSym, kInt4StaticGroup128Sym)
 CPU_PAIRS = [
@@ -100,60 +103,108 @@ def test_native_matches_reference(pair, dtype, m, n, k):
 def test_cpu_matches_reference(pair, dtype, m, n, k, int4_kernel):
     x, w, bias = operands(m, n, k, dtype)
     (key, activation), floor = pair, FORMAT_FLOORS[pair]
+    int8_activations = key == kInt4StaticGroup128Sym and int4_kernel == "avx2"
+    floors = INT4_OURS_FLOORS if int8_activations else CPU_REFERENCE_FLOORS
     qt = quantize(w, key)
     prepared = cpu.prepare_weight("linear", qt)
-    check(cpu.linear(x, prepared, activation, bias), x, w, qt, activation, bias, floor, CPU_REFERENCE_FLOORS)
-    check(cpu.linear(x, qt, activation, None), x, w, qt, activation, None, floor, CPU_REFERENCE_FLOORS)  # unprepared
+    check(cpu.linear(x, prepared, activation, bias), x, w, qt, activation, bias, floor, floors)
+    check(cpu.linear(x, qt, activation, None), x, w, qt, activation, None, floor, floors)  # unprepared
 
 
 @pytest.mark.parametrize("key", CPU_KEYS, ids=str)
 def test_cpu_switches_on_m_at_run_time(key, monkeypatch, int4_kernel):
     """Both sides of the switch: the kernel up to the threshold, dequantize + matmul above."""
     monkeypatch.setitem(cpu.KERNEL_MAX_M, key, 4)
-    monkeypatch.setitem(cpu.AVX2_MAX_M, key, 4)
+    monkeypatch.setitem(cpu.OURS_MAX_M, key, 4)
     calls = []
-    kernel = cpu._kernel
-    monkeypatch.setattr(cpu, "_kernel", lambda x, w: calls.append(x.shape[0]) or kernel(x, w))
+    for name in ("_our_kernel", "_aten_kernel"):
+        kernel = getattr(cpu, name)
+        monkeypatch.setattr(cpu, name, lambda x, *a, k=kernel, n=name: calls.append((n, x.shape[0])) or k(x, *a))
     _, w, bias = operands(1, 96, 300, torch.bfloat16)
     qt = quantize(w, key)
     prepared = cpu.prepare_weight("linear", qt)
     for m in (1, 4, 5, 33):
         x = torch.randn(m, 300, dtype=torch.bfloat16)
-        check(
-            cpu.linear(x, prepared, None, bias), x, w, qt, None, bias, FORMAT_FLOORS[(key, None)], CPU_REFERENCE_FLOORS
-        )
-    assert calls == [1, 4]
+        ours = key == kInt4StaticGroup128Sym and int4_kernel == "avx2" and m <= 4
+        floors = INT4_OURS_FLOORS if ours else CPU_REFERENCE_FLOORS
+        check(cpu.linear(x, prepared, None, bias), x, w, qt, None, bias, FORMAT_FLOORS[(key, None)], floors)
+    name = "_our_kernel" if int4_kernel == "avx2" else "_aten_kernel"
+    assert calls == [(name, 1), (name, 4)]
 
 
 @pytest.mark.parametrize("key", CPU_KEYS, ids=str)
 def test_cpu_through_the_graph_op(key, int4_kernel):
-    """Prepared once (`ops.prepare_weight`), then `quantpass::linear` with backend "cpu" in a graph."""
+    """Prepared once (`ops.prepare_weight`), then the cpu backend's graph op in a graph."""
     x, w, bias = operands(7, 96, 300, torch.bfloat16)
     qt = quantize(w, key)
     prepared = prepare_weight("cpu", "linear", qt)
     op = linear_call("cpu", "cpu")
+    assert op is torch.ops.quantpass.linear_cpu.default
     args = (prepared.data, prepared.scale, prepared.scale2, bias, key_arg(key), "", "cpu", 96)
     out = torch.compile(op, backend="aot_eager", fullgraph=True)(x.unsqueeze(0), *args)[0]
-    check(out, x, w, qt, None, bias, FORMAT_FLOORS[(key, None)], CPU_REFERENCE_FLOORS)
+    assert torch.equal(out, cpu.linear(x, prepared, None, bias))
+
+
+def test_cpu_graph_op_routes_equal_the_backend(int4_kernel):
+    """The op's routes (our kernel straight from the graph; an activation key, aten's layout or an
+    unprepared weight through `cpu.linear`) give what `cpu.linear` gives, on either side of the
+    large-M switch."""
+    op = linear_call("cpu", "cpu")
+    _, w, bias = operands(1, 96, 300, torch.bfloat16)
+    for key, act in CPU_PAIRS:
+        qt = quantize(w, key)
+        for weight in (cpu.prepare_weight("linear", qt), qt):
+            for m in (1, 9, 500):
+                x = torch.randn(2, m, 300, dtype=torch.bfloat16)
+                out = op(x, weight.data, weight.scale, None, bias, key_arg(key), key_arg(act), "cpu", 96)
+                want = cpu.linear(x.reshape(-1, 300), weight, act, bias)
+                assert out.shape == (2, m, 96) and torch.equal(out.reshape(-1, 96), want), (key, act, m)
+
+
+@pytest.mark.skipif(not cpu_avx2.available()[0], reason=f"our kernels can't run: {cpu_avx2.available()[1]}")
+def test_cpu_graph_op_under_inductor_with_dynamic_m():
+    """One Inductor compile serves every M, on either side of the large-M switch (aten's routes are
+    the op's eager ones, above)."""
+    op, counter = linear_call("cpu", "cpu"), CompileCounterWithBackend("inductor")
+    _, w, bias = operands(1, 96, 300, torch.bfloat16)
+    weight = cpu.prepare_weight("linear", quantize(w, kInt4StaticGroup128Sym))
+    key = key_arg(kInt4StaticGroup128Sym)
+    g = torch.compile(lambda x: op(torch.relu(x), weight.data, weight.scale, None, bias, key, "", "cpu", 96),
+                      backend=counter, dynamic=True, fullgraph=True)  # fmt: skip
+    for m in (2, 9, 200):  # M = 3m rows (dynamic=True specializes a size of 1; duck sizing equal ones)
+        x = torch.randn(3, m, 300, dtype=torch.bfloat16)
+        want = cpu.linear(torch.relu(x).reshape(-1, 300), weight, None, bias)
+        assert torch.equal(g(x).reshape(-1, 96), want), m
+    assert counter.frame_count == 1, "a new M recompiled"
 
 
 def test_cpu_prepared_layout_and_memory(int4_kernel):
+    """One copy per weight: ours is the quantized weight itself; aten's replaces it. Running any M
+    keeps nothing more (the large-M path dequantizes per call)."""
     w = torch.randn(96, 300, dtype=torch.bfloat16)
+    for key in CPU_KEYS:
+        qt = quantize(w, key)
+        prepared = cpu.prepare_weight("linear", qt)
+        assert cpu.prepare_weight("linear", prepared) is prepared  # idempotent
+        if int4_kernel == "avx2":
+            assert prepared is qt  # quantized fp32 scales, contiguous: nothing to copy
+        tensors = prepared.tensors()
+        for m in (1, 9, 500):
+            cpu.linear(torch.randn(m, 300, dtype=torch.bfloat16), prepared, None, None)
+        assert prepared.tensors() == tensors and len(vars(prepared)) == len(vars(qt))
+    if int4_kernel == "avx2":
+        return
     int8 = cpu.prepare_weight("linear", quantize(w, kInt8StaticChannelSym))
     assert int8.data.shape == (96, 304) and int8.data.dtype == torch.int8  # K padded to 8
     assert int8.scale.shape == (96,) and int8.scale.dtype == torch.bfloat16
     int4_ours = quantize(w, kInt4StaticGroup128Sym)
     int4 = cpu.prepare_weight("linear", int4_ours)
     assert int4.data.shape == (96, 192) and int4.data.dtype == torch.uint8  # Kp = 384, two per byte
-    if int4_kernel == "avx2":  # scale [N, Kp/128, 1] fp32 marks quantpass's layout
-        assert int4.scale.shape == (96, 3, 1) and torch.equal(int4.scale[..., 0], int4_ours.scale.float())
-    else:
-        assert int4.scale.shape == (3, 96, 2) and not int4.scale[..., 1].any()
-    scale = int4_ours.scale.float() if int4_kernel == "avx2" else int4_ours.scale.to(torch.bfloat16).float()
+    assert int4.scale.shape == (3, 96, 2) and not int4.scale[..., 1].any()
+    scale = int4_ours.scale.to(torch.bfloat16).float()
     expected = unpack_int4(int4_ours.data).float().unflatten(-1, (-1, 128)) * scale.unsqueeze(-1)
     assert torch.equal(cpu.dequantize_int4(int4, torch.float32), expected.flatten(-2))
     assert int4.data.numel() == int4_ours.data.numel()  # no second copy of the codes
-    assert cpu.prepare_weight("linear", int4) is int4  # idempotent
 
 
 @pytest.mark.parametrize("rows", [16, 48, 64, 96, 112])
@@ -238,12 +289,14 @@ def test_supports(module, capability, weight, activation, problem, ok, reason):
 
 
 def test_cpu_int4_supports_per_kernel(int4_kernel):
-    """quantpass's kernels (INT4 takes any N) or aten's (its INT4 packing needs N % 16 == 0)."""
+    """quantpass's kernels (INT4 takes any N; the reason names the activation mode) or aten's (its
+    INT4 packing needs N % 16 == 0)."""
     ok, why = cpu.supports("linear", CPU, kInt4StaticGroup128Sym, None, Problem(40, 256))
     if int4_kernel == "avx2":
-        assert ok and why.startswith("INT4 on quantpass's AVX2 kernels") and "for M <= 384" in why
+        assert ok and why.startswith("INT4 on quantpass's AVX2 kernels") and "with int8 activations" in why
+        assert "for M <= 384, dequantize + matmul above" in why
         why = cpu.supports("linear", CPU, kInt8StaticChannelSym, None, Problem(96, 300))[1]
-        assert why.startswith("INT8 on quantpass's AVX2 kernels") and "for M <= 384" in why
+        assert why.startswith("INT8 on quantpass's AVX2 kernels") and "with int16 activations" in why
     else:
         assert not ok and "N % 16 == 0; got N=40" in why
         assert (

@@ -13,6 +13,7 @@ CPU_INTERPRETER = Capability("cpu", None, frozenset({"triton"}), triton_interpre
 H200 = Capability("cuda", 90, frozenset({"triton"}))
 B200 = Capability("cuda", 100, frozenset({"triton", "flashinfer"}))
 B200_NO_FLASHINFER = Capability("cuda", 100, frozenset({"triton"}))
+MI300 = Capability("cuda", None, frozenset({"triton"}), hip=True)
 BIG = Problem(n=4096, k=4096)
 MOE = Problem(n=1536, k=4096, experts=64, topk=8, activation="silu")
 
@@ -39,7 +40,9 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("linear", "fp8_per_tensor", CPU, BIG, "reference"),
         ("linear", "fp8_per_channel", H200, BIG, "native"),  # torch._scaled_mm, activation quant fused
         ("linear", "fp8_per_block", CPU, BIG, "reference"),  # no block _scaled_mm on CPU; Triton only if named
-        ("linear", "fp8_per_block", H200, BIG, "triton"),
+        ("linear", "fp8_per_block", H200, BIG, "native"),  # cuBLASLt blockwise ahead of Triton (serialised rescale)
+        ("linear", "fp8_per_block", B200, BIG, "triton"),  # torch's blockwise GEMM is SM90-only
+        ("linear", "fp8_per_block", H200, Problem(n=4000, k=4096), "triton"),  # N % 128: torch refuses
         ("linear", "int8_per_channel", CPU, BIG, "cpu"),  # torch._int_mm is 10x slower at prefill here
         ("linear", "int8_per_channel", H200, BIG, "native"),  # torch._int_mm
         ("linear", "int8_weight_only", CPU, BIG, "cpu"),
@@ -49,7 +52,10 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("linear", "mxfp8", B200, Problem(n=4096, k=4096, m=1), "native"),  # decode: no 128-row tiles
         ("linear", "mxfp8", B200, Problem(n=64, k=4096), "native"),  # mm_mxfp8 needs N >= 128
         ("linear", "mxfp8", B200_NO_FLASHINFER, BIG, "native"),
-        ("linear", "mxfp8", H200, BIG, "triton"),  # tl.dot_scaled, emulated on SM90
+        ("linear", "mxfp8", H200, BIG, "triton"),  # tl.dot_scaled, emulated on SM90: nothing native runs it
+        ("linear", "mxfp4", H200, BIG, "native"),  # emulated Triton ranks after dequantize + F.linear
+        ("linear", "mxfp4", B200, BIG, "native"),  # MX x bf16 is emulated on SM100 too
+        ("moe", "mxfp4", H200, MOE, "triton"),  # emulated, but ahead of the fp32 reference
         ("linear", "mxfp8", CPU, BIG, "reference"),
         ("linear", "nvfp4", CPU, BIG, "reference"),
         ("linear", "mxfp4", CPU, BIG, "native"),  # weight-only dequant + F.linear
@@ -61,6 +67,9 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("moe", "fp8_per_block", H200, MOE, "triton"),
         ("moe", "fp8_per_block", CPU, MOE, "reference"),
         ("moe", "nvfp4", H200, MOE, "reference"),
+        ("linear", "fp8_per_channel", MI300, BIG, "reference"),  # HIP: only the reference until supported
+        ("linear", "int4_weight_only", MI300, BIG, "reference"),
+        ("moe", "fp8_per_channel", MI300, MOE, "reference"),
     ],
 )
 def test_choices(kind, spec, capability, problem, expected):
@@ -81,7 +90,7 @@ def test_int4_on_cpu_with_either_kernel(ours, monkeypatch):
 
 def test_rejections_are_recorded_in_priority_order():
     selection = choose("linear", "fp8_per_block", CPU)
-    assert list(selection.rejected) == ["triton", "native"]
+    assert list(selection.rejected) == ["native", "triton"]
     assert selection.rejected["triton"] == "not chosen automatically on cpu (name it to use it)"
     assert "block" in selection.rejected["native"] or "CPU" in selection.rejected["native"]
 
@@ -208,7 +217,64 @@ def test_kernel_table_asks_each_kernel_per_device_in_priority_order():
     by_key = {(r["kind"], r["weight"], r["activation"]): r["backends"] for r in rows}
     int4 = by_key[("linear", keys.kInt4StaticGroup128Sym, None)]
     assert int4["cpu"] == ["cpu", "native", "reference"] and int4["cuda sm90"][0] == "triton"
+    mxfp4 = by_key[("linear", keys.kMxfp4Static, None)]
+    assert mxfp4["cuda sm90"] == mxfp4["cuda sm100"] == ["native", "triton", "reference"]  # emulated: after native
     mxfp8 = by_key[("linear", keys.kMxfp8Static, keys.kMxfp8Dynamic)]
     assert mxfp8["cuda sm100"][0] == "flashinfer" and "flashinfer" not in mxfp8["cuda sm90"]
     assert by_key[("linear", keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym)]["cpu"] == ["reference", "native"]
     assert all("reference" in backends for row in rows for backends in row["backends"].values())
+
+
+def test_emulated_paths_rank_after_native_ones_and_say_so():
+    """An emulated kernel (reason "emulated: ...") is tried after every other runnable candidate but
+    `reference`, wherever the table lists it; with nothing else runnable it still beats `reference`."""
+    selection = choose("linear", "mxfp4", H200)
+    assert selection.backend == "native"
+    assert selection.rejected["triton"].startswith("emulated: tl.dot_scaled on sm90")
+    assert "ranked after the other backends" in selection.rejected["triton"]
+    mxfp8 = choose("linear", "mxfp8", H200)
+    assert mxfp8.backend == "triton" and mxfp8.reason.startswith("emulated") and "triton" not in mxfp8.rejected
+    decode = choose("linear", "mxfp8", B200_NO_FLASHINFER, Problem(n=4096, k=4096, m=16))
+    assert decode.backend == "native"
+    named = choose("linear", "mxfp4", H200, backend="triton")  # the user's word still wins
+    assert named.backend == "triton"
+
+
+@pytest.mark.parametrize(
+    ("capability", "problem", "emulated"),
+    [
+        (H200, BIG, True),  # no native MX MMA below SM100
+        (B200, BIG, False),  # M unknown (dynamic): 128-row tiles run native
+        (B200, Problem(n=4096, k=4096, m=4096), False),
+        (B200, Problem(n=4096, k=4096, m=64), True),  # decode tiles are upcast (tests/test_triton_aot.py)
+    ],
+)
+def test_mx_x_mx_emulation_by_device_and_rows(capability, problem, emulated):
+    from quantpass.kernels import triton as triton_backend
+
+    ok, why = triton_backend.supports("linear", capability, keys.kMxfp8Static, keys.kMxfp8Dynamic, problem)
+    assert ok and why.startswith(oracle.EMULATED) is emulated, why
+
+
+def test_hip_devices_get_only_the_reference_with_a_reason():
+    selection = choose("linear", "fp8_per_channel", MI300)
+    assert selection.backend == "reference"
+    assert set(selection.rejected) == {"native", "triton"}
+    assert all(why == oracle.HIP_REFUSAL for why in selection.rejected.values())
+    with pytest.raises(NoKernelError, match=r"can't run linear .* on cuda \(HIP\): HIP \(ROCm\) device"):
+        choose("linear", "fp8_per_channel", MI300, backend="triton")
+
+
+def test_rocm_torch_is_detected_as_hip(monkeypatch):
+    """A ROCm build reports an MI300 as "cuda" with capability 9.4, which would pass NVIDIA's sm checks."""
+    import torch
+
+    oracle._detect.cache_clear()
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 4))
+    try:
+        capability = Capability.detect("cuda")
+    finally:
+        oracle._detect.cache_clear()
+    assert capability.hip and capability.sm is None
+    assert select("linear", keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym, capability, BIG).backend == "reference"

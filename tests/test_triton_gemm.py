@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from _triton_support import LINEAR_PAIRS, device, on_interpreter, pair_id, poison_empty
+from _triton_support import LINEAR_PAIRS, device, on_interpreter, pair_id, poison_empty, triton
 
 import quantpass.kernels.triton as triton_backend
 from quantpass.kernels import oracle, reference
@@ -120,9 +120,20 @@ PROBLEM = oracle.Problem(n=4096, k=4096)
             oracle.Capability("cuda", 90, frozenset({"triton"})),
             (keys.kMxfp8Static, keys.kMxfp8Dynamic),
             True,
-            "emulated",
+            "emulated: tl.dot_scaled on sm90",
         ),
-        (oracle.Capability("cuda", 100, frozenset({"triton"})), (keys.kMxfp4Static, None), True, "dot_scaled"),
+        (
+            oracle.Capability("cuda", 100, frozenset({"triton"})),
+            (keys.kMxfp4Static, None),
+            True,
+            "emulated: MX weights x float",
+        ),
+        (
+            oracle.Capability("cuda", 100, frozenset({"triton"})),
+            (keys.kMxfp8Static, keys.kMxfp8Dynamic),
+            True,
+            "native MX MMA",
+        ),
         (INTERPRETER, (keys.kNvfp4Static, keys.kNvfp4Dynamic), False, "kNvfp4Dynamic"),
         (INTERPRETER, (keys.kMxfp8Static, keys.kFp8DynamicTokenSym), False, "MX weights"),
     ],
@@ -171,6 +182,103 @@ def test_custom_op_and_triton_op_run_the_same_kernels():
     assert torch.equal(linear_op(*args), via_custom_op)
     for graph_op, op in ((linear_op, torch.ops.quantpass.linear), (moe_op, torch.ops.quantpass.fused_moe)):
         assert str(graph_op._schema).split("(", 1)[1] == str(op.default._schema).split("(", 1)[1]
+
+
+@on_interpreter
+@pytest.mark.parametrize("pair", [(keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym), (keys.kInt4StaticGroup128Sym, None), (keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym)], ids=pair_id)  # fmt: skip
+def test_split_k_matches_one_program_per_tile(pair):
+    """Decode's split-K: K = 416 (3.25 K steps of 128) over 3 programs (2 steps each: the last gets
+    none) and 4 (the last gets a partial step); bias added once, fp32 partials summed: the unsplit GEMM."""
+    from quantpass.kernels.triton.gemm import quantized_matmul
+    from quantpass.kernels.triton.quant import quantize_activation
+
+    weight_key, activation_key = pair
+    x = torch.randn(5, 416, dtype=torch.bfloat16)
+    qw = formats.quantize(torch.randn(48, 416), weight_key)
+    bias = torch.randn(48, dtype=torch.bfloat16)
+    a = x if activation_key is None else quantize_activation(x, activation_key)
+    whole = quantized_matmul(a, qw, bias, split_k=1)
+    for split in (3, 4):
+        parts = quantized_matmul(a, qw, bias, split_k=split)
+        assert parts.dtype == whole.dtype and sqnr(whole.float(), parts.float()) >= 45  # bf16 output rounding
+    with pytest.raises(ValueError, match="split-K is for dense GEMMs"):
+        quantized_matmul(a, qw, bias, split_k=2, activation="silu")
+
+
+def test_split_k_heuristic_fills_the_gpu_at_decode_only():
+    from quantpass.kernels.triton import tuning
+
+    cpu = torch.device("cpu")  # sm_count: an H100/H200's 132 SMs without a GPU
+    assert tuning.split_k(1, 4096, 4096, cpu) == 4  # 64 tiles of 64 -> 256 programs
+    assert tuning.split_k(16, 4096, 14336, cpu) == 8
+    assert tuning.split_k(16, 14336, 4096, cpu) == 2
+    assert tuning.split_k(17, 4096, 4096, cpu) == 1  # prefill: tiles enough
+    assert tuning.split_k(1, 4096, 1024, cpu) == 1  # each split keeps >= 1024 of K
+
+
+@on_interpreter
+def test_offsets_past_2_31_elements_do_not_wrap():
+    """B's row offsets are int64: row 2 of a weight whose rows are 2^31 - 64 elements apart sits past
+    2^31 (as row 262144 of a K = 8192 output head does); in int32 it wraps to a wild address. The
+    storage is ~4 GiB of virtual memory of which three rows are touched."""
+    from quantpass.kernels.triton.gemm import quantized_matmul
+    from quantpass.quant_registry.qtensor import QTensor
+
+    qw = formats.quantize(torch.randn(3, 128), keys.kFp8StaticChannelSym)
+    spread = torch.empty_strided((3, 128), (2**31 - 64, 1), dtype=qw.data.dtype)
+    spread.copy_(qw.data)
+    far = QTensor(spread, qw.scale, None, qw.key, qw.shape, qw.dtype)
+    x = torch.randn(2, 128, dtype=torch.float32)
+    assert torch.equal(quantized_matmul(x, far), quantized_matmul(x, qw))
+
+
+def test_fp32_dots_follow_torchs_matmul_precision():
+    from quantpass.kernels.triton.gemm import fp32_precision
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert fp32_precision(False) == "ieee"
+        torch.set_float32_matmul_precision("high")
+        assert fp32_precision(False) == "tf32"
+        assert fp32_precision(True) == "ieee"  # the interpreter computes in fp32 anyway
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_plans_are_cached_per_weight_and_tuned_configs_launch_directly(monkeypatch):
+    """Host overhead: the scheme, flags and strides are built once per (weight, call options), and a
+    dense GEMM the autotuner has tuned is launched with its config, not through the autotuner again."""
+    from quantpass.kernels.triton import gemm, scheme, tuning
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # the CUDA path, with the launch stubbed out below
+    launched = []
+
+    class Launcher:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: launched.append((self.kernel, kwargs))
+
+    class Autotuner:  # what triton.autotune returns, after its first run
+        best_config = triton.Config(dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1), num_warps=4, num_stages=3)
+
+    calls = []
+    real_scheme = scheme.gemm_scheme
+    monkeypatch.setattr(gemm, "gemm_scheme", lambda *a: calls.append(a) or real_scheme(*a))
+    monkeypatch.setattr(gemm, "wrap_triton", Launcher)
+    monkeypatch.setattr(tuning, "autotuned", lambda *key: Autotuner)
+    monkeypatch.setattr(tuning, "TUNED", {})
+    qw = formats.quantize(torch.randn(64, 256), keys.kInt4StaticGroup128Sym)
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    for _ in range(3):
+        gemm.quantized_matmul(x, qw, split_k=1)
+    assert len(calls) == 1, "the plan is cached per weight"
+    assert [kernel for kernel, _ in launched] == [Autotuner, gemm._gemm_kernel, gemm._gemm_kernel]
+    assert launched[1][1]["BLOCK_N"] == 32 and launched[1][1]["num_warps"] == 4
+    gemm.quantized_matmul(x, qw, torch.randn(64, dtype=torch.bfloat16), split_k=1)  # new options: new plan
+    assert len(calls) == 2
 
 
 def test_tuning_configs_and_files(tmp_path):
@@ -226,3 +334,75 @@ def test_triton_op_compiles_with_inductor():
     x = torch.randn(64, 512, dtype=torch.bfloat16, device="cuda")
     compiled = torch.compile(f, backend="inductor", fullgraph=True)
     assert sqnr(f(x).float(), compiled(x).float()) >= 40
+
+
+def test_both_backends_follow_one_fp8_accumulation_policy(monkeypatch):
+    """`scheme.FP8_ACCUMULATION` is the policy: native passes it to torch._scaled_mm (here on CPU,
+    where the argument is accepted and ignored), Triton's sm90 dot promotes every FP8_PROMOTE_K
+    (tests/test_triton_aot.py reads the compiled kernel)."""
+    from quantpass.kernels import native
+    from quantpass.kernels.triton import scheme
+
+    assert scheme.FP8_ACCUMULATION == "precise" and native.USE_FAST_ACCUM is False
+    seen = []
+    real = torch._scaled_mm
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    qw = formats.quantize(torch.randn(32, 64), keys.kFp8StaticChannelSym)
+    native.linear(torch.randn(4, 64), qw, keys.kFp8DynamicTokenSym, None)
+    assert seen and seen[0]["use_fast_accum"] is False
+
+
+def exact_product(x, qw, activation_key):
+    """fp64 product of the operands the kernels see: x through the activation quantizer, the weight dequantized."""
+    xq = reference.fake_quantize(x, activation_key).double()
+    return xq @ formats.dequantize(qw, torch.float64).t()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [8192, 14336])
+@pytest.mark.parametrize(
+    "pair",
+    [(keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym), (keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym)],
+    ids=pair_id,
+)
+def test_fp8_accumulation_long_k(pair, k):
+    """Precise FP8 accumulation at long K, both backends, fp32 output (no bf16 rounding hides it). The
+    floor is an estimate, to be replaced by the first GPU run's numbers: partial sums promoted every
+    128 K keep ~78 dB at K = 14336; an FP8 accumulator over all of K (fast accumulation) ~58 dB."""
+    weight_key, activation_key = pair
+    x = torch.randn(256, k, device="cuda")
+    qw = formats.quantize(torch.randn(512, k, device="cuda") / k**0.5, weight_key)
+    want = exact_product(x, qw, activation_key)
+    got = {
+        name: sqnr(want, module.linear(x, qw, activation_key, None).double())
+        for name, module in (("triton", triton_backend), ("native", oracle.backend_module("native")))
+        if module.supports("linear", oracle.Capability.detect("cuda"), *pair, oracle.Problem(512, k))[0]
+    }
+    print(f"K={k} {pair_id(pair)}: SQNR vs fp64 {got}")
+    assert got and all(db >= 70 for db in got.values()), got
+    assert max(got.values()) - min(got.values()) <= 10, f"the backends accumulate differently: {got}"
+
+
+def test_moe_configs_shipped_for_the_h200_target_shape():
+    """E=64, I=1536 (the H200 MoE target): many rows per expert get 128x128x128, 8 warps, 4 stages
+    (vLLM's 128x256 spills here under precise FP8 accumulation); the file says it was not swept."""
+    from quantpass.kernels.triton import tune_moe, tuning
+    from quantpass.kernels.triton.scheme import gemm_scheme
+
+    scheme = gemm_scheme(keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym)
+    name = tuning.config_file_name(64, 1536, "NVIDIA_H200", scheme.name, None)
+    assert "NOT swept" in json.loads((tuning.CONFIG_DIR / name).read_text())["source"]
+    big = tuning.moe_config(4096, 64, 8, 1536, scheme, device="NVIDIA_H200")
+    assert [big[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")] == [128, 128, 128, 16, 8, 4]  # fmt: skip
+    assert tuning.moe_config(1, 64, 8, 1536, scheme, device="NVIDIA_H200")["BLOCK_M"] == 16
+    many = dict(tokens=4096, num_experts=64, top_k=8)  # 512 rows per expert
+    rows = lambda pair, sm=None: tuning.default_moe_config(**many, scheme=gemm_scheme(*pair), sm=sm)["BLOCK_M"]  # noqa: E731
+    assert rows((keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym)) == 128
+    assert rows((keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym)) == 64  # per-step scales: 128 rows spill
+    assert rows((keys.kMxfp8Static, keys.kMxfp8Dynamic), 90) == 64  # emulated dot_scaled spills at 128 (3.6)
+    assert rows((keys.kMxfp8Static, keys.kMxfp8Dynamic), 100) == 128  # SM100's MX MMA wants 128-row tiles
+    for tokens in (1, 64, 4096):  # the sweep's candidates fit the scheme and stay near the rows per expert
+        found = tune_moe.candidates(tokens, 64, 8, gemm_scheme(keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym))
+        assert found and all(c["BLOCK_K"] == 128 and c["BLOCK_M"] <= max(16, 2 * tokens * 8 / 64) for c in found)
+    if not torch.cuda.is_available():
+        assert tune_moe.main(["--tokens", "1"]) == 2  # says it needs CUDA

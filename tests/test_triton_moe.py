@@ -211,3 +211,32 @@ def test_moe_graph_op_compiles_with_inductor():
     args = (problem["hidden"], problem["topk_weights"], problem["topk_ids"])
     compiled = torch.compile(f, backend="inductor", fullgraph=True)
     assert sqnr(f(*args).float(), compiled(*args).float()) >= 40
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pair", [(keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym), (keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym)], ids=pair_id)  # fmt: skip
+def test_moe_fp8_long_k(pair):
+    """FP8 experts at hidden size 8192 (GEMM1's K), E=8 top-2, the sorted path: same floors as at 1024."""
+    problem = make_moe(64, experts=8, hidden=8192, intermediate=512, dev=device())
+    out, want, exact = run_moe(pair, problem, unquantized=True)
+    assert sqnr(want, out) >= reference_floor(pair) - 5
+    assert sqnr(exact, out) >= unquantized_floor(pair)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "top_k", "experts", "shortcut"),
+    [
+        (1, 8, 64, True),  # a token's top-k experts are distinct: no expert read twice
+        (2, 8, 64, True),  # ~1 expert shared between the two tokens
+        (3, 8, 64, False),
+        (8, 8, 64, False),  # pairs == experts, the old threshold: ~1.5x the weights sorting reads
+        (1, 2, 8, True),
+        (2, 2, 8, True),
+        (3, 2, 8, False),
+        (5, 1, 4, False),  # pairs > experts
+    ],
+)
+def test_decode_shortcut_only_while_it_reads_at_most_one_expert_more(tokens, top_k, experts, shortcut):
+    from quantpass.kernels.triton.moe import decode_shortcut
+
+    assert decode_shortcut(tokens, top_k, experts) is shortcut

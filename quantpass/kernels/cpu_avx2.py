@@ -1,15 +1,19 @@
-"""Our INT4 (group-128) and INT8 (per-channel) weight-only CPU kernels (csrc/linear_avx2.c), built on
-first use.
+"""quantpass's INT4 (group-128) and INT8 (per-channel) weight-only CPU kernels (csrc/linear_avx2.c),
+built on first use.
 
-aten's `_weight_int4pack_mm_for_cpu` is compute-bound on AVX2 machines: batch-1 decode of a
-4096x4096 linear measured 1.95-2.06x bf16 `F.linear` here, our INT4 kernel 2.87-3.27x (1 thread)
-and 3.24x (2 threads) (AMD EPYC Zen 2, 2026-11-29; bench/README.md). The C source needs no Python or torch headers: the system C
-compiler builds it in under a second into a cache folder, ctypes loads it (and releases the GIL
-while it runs), and its OpenMP threads come from the libgomp torch already loaded.
+They read quantpass's own quantized layout (no prepared copy), take x, bias and out in fp32, bf16 or
+fp16, and multiply in one of three ways (`mode`): "exact" (fp32 activations), "int8" for INT4 weights
+(llama.cpp-style: each 128 activations quantized once per call to int8, integer multiply-adds) and
+"int16" for INT8 weights (activations to int16: exact integer products). The cpu backend chooses per
+format (`cpu.ACTIVATION_MODES`, measured). Speed and accuracy: bench/README.md, "CPU decode at the
+bandwidth limit".
 
-Not available, with the reason, when: not an x86-64 AVX2 CPU (AVX-512 ones keep aten's kernel,
-wider there and not measured against ours), `QUANTPASS_CPU_KERNEL=0`, or no C compiler (the cpu
-backend then uses aten's INT4 kernel).
+The C source needs no Python or torch headers: the system C compiler builds it in about a second
+into a cache folder, ctypes loads it (and releases the GIL while it runs), and its OpenMP threads
+come from the libgomp torch already loaded. Not available, with the reason, when: not an x86-64
+CPU with AVX2 (torch's capability AVX2 or AVX512; measured faster than aten's kernels on both), a
+CPU with AMX (aten's kernels use it; unmeasured here), `QUANTPASS_CPU_KERNEL=0`, or no C compiler
+(the cpu backend then uses aten's kernels).
 """
 
 from __future__ import annotations
@@ -32,67 +36,89 @@ from .. import envs
 
 logger = logging.getLogger("quantpass")
 
-SOURCE = Path(__file__).parent / "csrc" / "linear_avx2.c"
+CSRC = Path(__file__).parent / "csrc"
+SOURCE = CSRC / "linear_avx2.c"
 GROUP = 128  # INT4 weights per scale
-INT8_STEP = 8  # the INT8 kernel reads 8 weights of a row at a time: K must be a multiple
-FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+MODES = {"exact": 0, "int8": 1, "int16": 2}  # csrc's EXACT, INT8, INT16
+FORMAT_MODES = {4: ("exact", "int8"), 8: ("exact", "int16")}  # by weight bits
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's F32, BF16, F16
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC")
 OPENMP = "-fopenmp"
+CAPABILITIES = ("AVX2", "AVX512")  # torch's names for x86-64 CPUs with AVX2 + FMA
+P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_ARGS = (P, I64, I32, I64, I64, P, P, I64, I64, I32, P, I32, P, I64, I32, I32, I32)  # qp_linear's C signature
 
 
 def available() -> tuple[bool, str]:
-    """(ok, reason): whether this process can run the kernel; builds it on the first call."""
+    """(ok, reason): whether this process can run the kernels; builds them on the first call."""
     return _library()[1:]
 
 
-def pack(codes: torch.Tensor) -> torch.Tensor:
-    """Codes (q + 8) uint8 [N, Kp] -> the kernel's "split16" bytes [N, Kp/2] (see the C source)."""
-    rows, cols = codes.shape
-    runs = codes.view(rows, cols // 16, 2, 8)
-    return (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(rows, cols // 2).contiguous()
-
-
-def unpack(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of `pack`: bytes [N, Kp/2] -> codes uint8 [N, Kp]."""
-    rows, half = packed.shape
-    runs = packed.view(rows, half // 8, 1, 8)
-    return torch.cat([runs & 0xF, runs >> 4], dim=2).reshape(rows, half * 2)
-
-
-def linear(x: torch.Tensor, data: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """x [M, Kp] @ dequantize(data, scale).T -> fp32 [M, N]. INT4: data uint8 [N, Kp/2] from `pack`,
-    scale fp32 [N, Kp/128]. INT8: data int8 [N, Kp] (Kp % 8 == 0), scale fp32 [N]. `out`: a contiguous
-    fp32 [M, N] to write into (tests pass one poisoned with NaN)."""
+def linear(
+    x: torch.Tensor,
+    data: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    mode: str = "exact",
+) -> torch.Tensor:
+    """x [M, K] @ dequantize(data, scale).T (+ bias) -> [M, N] in x.dtype (or `out`'s). INT4: data
+    uint8 [N, Kp/2] as `formats.quantize` packs it (Kp % 128 == 0, K <= Kp), scale fp32 [N, Kp/128].
+    INT8: data int8 [N, K], scale fp32 [N] or [N, 1]. `mode`: one of FORMAT_MODES[bits]. `out`: a
+    contiguous [M, N] fp32/bf16/fp16 tensor to write into (tests pass one poisoned with NaN). Checks
+    everything; the cpu backend's graph op calls `run`."""
     lib, ok, reason = _library()
     if not ok:
         raise RuntimeError(f"quantpass's CPU kernels can't run: {reason}")
-    rows, cols = data.shape
     int4 = data.dtype == torch.uint8
-    kp, scale_shape = (cols * 2, (rows, cols * 2 // GROUP)) if int4 else (cols, (rows,))
-    if x.shape[-1] != kp or kp % (GROUP if int4 else INT8_STEP) or scale.shape != scale_shape:
+    name = "int4" if int4 else "int8"
+    if data.dtype not in (torch.uint8, torch.int8) or scale.dtype != torch.float32:
+        raise ValueError(f"the kernels want uint8 (INT4) or int8 data and fp32 scales; got {data.dtype}, {scale.dtype}")
+    rows, cols = data.shape
+    kp, scale_shapes = (cols * 2, [(rows, cols * 2 // GROUP)]) if int4 else (cols, [(rows,), (rows, 1)])
+    if x.dim() != 2 or x.shape[1] > kp or (int4 and kp % GROUP) or tuple(scale.shape) not in scale_shapes:
         raise ValueError(
-            f"{'int4' if int4 else 'int8'} kernel shapes: x {tuple(x.shape)}, data {tuple(data.shape)}, "
-            f"scale {tuple(scale.shape)}"
+            f"{name} kernel shapes: x {tuple(x.shape)}, data {tuple(data.shape)}, scale {tuple(scale.shape)}"
         )
-    if (
-        data.dtype not in (torch.uint8, torch.int8)
-        or scale.dtype != torch.float32
-        or not (data.is_contiguous() and scale.is_contiguous())
-    ):
-        raise ValueError(
-            f"the kernels want contiguous uint8 (INT4) or int8 data and fp32 scales; got {data.dtype}, {scale.dtype}"
-        )
-    x = x.to(torch.float32).contiguous()
+    modes = FORMAT_MODES[4 if int4 else 8]
+    if mode not in modes:
+        raise ValueError(f"invalid {name} kernel mode {mode!r}; valid: {', '.join(modes)}")
+    if x.dtype not in DTYPES or (bias is not None and bias.dtype not in DTYPES):
+        dtypes = ", ".join(map(str, DTYPES))
+        raise ValueError(f"x and bias must be one of {dtypes}; got {x.dtype}, {None if bias is None else bias.dtype}")
+    if bias is not None and bias.shape != (rows,):
+        raise ValueError(f"{name} kernel bias must be [{rows}]; got {tuple(bias.shape)}")
     if out is None:
-        out = torch.empty(x.shape[0], rows, dtype=torch.float32)
-    elif out.shape != (x.shape[0], rows) or out.dtype != torch.float32 or not out.is_contiguous():
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    elif out.shape != (x.shape[0], rows) or out.dtype not in DTYPES or not out.is_contiguous():
         raise ValueError(
-            f"int4 kernel out must be contiguous fp32 {(x.shape[0], rows)}; got {out.dtype} {tuple(out.shape)}"
+            f"{name} kernel out must be contiguous fp32/bf16/fp16 {(x.shape[0], rows)}; got {out.dtype} {tuple(out.shape)}"
         )
-    kernel = lib.qp_int4_linear if int4 else lib.qp_int8_linear
-    kernel(
-        x.data_ptr(), data.data_ptr(), scale.data_ptr(), out.data_ptr(), x.shape[0], rows, kp, torch.get_num_threads()
-    )
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    data, scale = data.contiguous(), scale.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    run(lib, x, data, scale, bias, out, 4 if int4 else 8, MODES[mode], torch.get_num_threads())
     return out
+
+
+def run(lib, x, data, scale, bias, out, bits: int, mode: int, threads: int) -> torch.Tensor:
+    """The C call, unchecked: x [M, K] with unit column stride, contiguous data/scale/bias/out."""
+    kp = data.shape[1] * 2 if bits == 4 else data.shape[1]
+    status = lib.qp_linear(
+        x.data_ptr(), x.stride(0), DTYPES[x.dtype], x.shape[0], x.shape[1],
+        data.data_ptr(), scale.data_ptr(), data.shape[0], kp, bits,
+        None if bias is None else bias.data_ptr(), 0 if bias is None else DTYPES[bias.dtype],
+        out.data_ptr(), out.shape[-1], DTYPES[out.dtype], mode, threads,
+    )  # fmt: skip
+    if status:
+        raise MemoryError(f"quantpass's CPU kernel could not allocate its scratch (status {status})")
+    return out
+
+
+def library():
+    """The loaded library (ctypes), or None where `available()` says no."""
+    return _library()[0] if available()[0] else None
 
 
 @functools.cache
@@ -100,33 +126,32 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     if not envs.cpu_kernel_enabled():
         return None, False, "QUANTPASS_CPU_KERNEL=0"
     machine, capability = platform.machine().lower(), torch.backends.cpu.get_cpu_capability()
-    if machine not in ("x86_64", "amd64") or capability != "AVX2":
-        # AVX-512 machines keep aten's kernel: it runs 16 lanes wide there (and AMX where present),
-        # and ours has only been measured against it on AVX2.
-        return None, False, f"built for x86-64 AVX2 machines without AVX-512; this is {machine} with {capability}"
+    if machine not in ("x86_64", "amd64") or capability not in CAPABILITIES:
+        return None, False, f"built for x86-64 CPUs with AVX2; this is {machine} with {capability}"
+    if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
+        return None, False, "this CPU has AMX, which aten's kernels use; ours were never measured against them there"
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         return None, False, "no C compiler (cc, gcc or $CC) to build it"
     try:
-        path = _build(compiler)
+        path = build(compiler, SOURCE)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)
         logger.warning("building quantpass's CPU kernels failed, using aten's: %s", detail.strip()[-500:])
-        return None, False, f"building csrc/linear_avx2.c with {compiler} failed"
-    for kernel in (lib.qp_int4_linear, lib.qp_int8_linear):
-        kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-        kernel.restype = None
+        return None, False, f"building csrc/{SOURCE.name} with {compiler} failed"
+    lib.qp_linear.argtypes, lib.qp_linear.restype = _ARGS, ctypes.c_int
+    lib.qp_scratch_bytes.argtypes, lib.qp_scratch_bytes.restype = (I64, I64, I32, I32), I64
     return lib, True, f"quantpass's AVX2 kernels ({path.name})"
 
 
-def _build(compiler: str) -> Path:
+def build(compiler: str, source: Path) -> Path:
     """The shared library for this source, compiler and flags: from the cache, or compiled into it
     (written under a temporary name, then renamed, so concurrent builders never load half a file)."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join((compiler, *FLAGS, version)).encode()).hexdigest()[:16]
+    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS, version)).encode()).hexdigest()[:16]
     folder = _cache_folder()
-    target = folder / f"linear_avx2-{digest}.so"
+    target = folder / f"{source.stem}-{digest}.so"
     if target.exists():
         return target
     start = time.perf_counter()
@@ -134,7 +159,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         for extra in ((OPENMP,), ()):  # single-threaded if the compiler has no OpenMP
-            done = subprocess.run([compiler, *FLAGS, *extra, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+            done = subprocess.run([compiler, *FLAGS, *extra, str(source), "-o", tmp], capture_output=True, text=True)
             if done.returncode == 0:
                 break
         done.check_returncode()
@@ -143,7 +168,7 @@ def _build(compiler: str) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     threads = "OpenMP" if extra else "single-threaded: the compiler has no OpenMP"
-    logger.info("built quantpass's CPU kernels in %.1f s (%s): %s", time.perf_counter() - start, threads, target)
+    logger.info("built %s in %.1f s (%s): %s", source.name, time.perf_counter() - start, threads, target)
     return target
 
 

@@ -45,6 +45,7 @@ from ..quant_registry.keys import (
 from ..quant_registry.qtensor import QTensor
 from .flashinfer_layout import swizzle_128x4
 from .native_moe import fused_moe, supports_moe
+from .triton.scheme import FP8_ACCUMULATION
 
 __all__ = ["DEVICES", "fused_moe", "linear", "linear_graph", "supports"]
 
@@ -100,6 +101,10 @@ SM_RULES = {
     NVFP4_GEMM: "torch's NVFP4 GEMM (cuBLASLt block scaling) needs sm100+",
 }
 CPU_REFUSAL = "torch._scaled_mm on CPU takes only per-tensor and per-row FP8 scales"
+
+# FP8 accumulation: the policy every backend follows (triton/scheme.py says why). "precise" is
+# `use_fast_accum=False`, torch's default, passed explicitly so the choice is visible and tested.
+USE_FAST_ACCUM = FP8_ACCUMULATION == "fast"
 
 # cuBLASLt's int8 GEMM refuses M <= 16 ("self.size(0) needs to be greater than 16", Blas.cpp).
 INT_MM_MIN_ROWS = {"cuda": 17}
@@ -169,7 +174,9 @@ def _fp8(x: torch.Tensor, weight: QTensor, xq: QTensor) -> torch.Tensor:
     if x.device.type == "cpu":  # scalar scales are ~800x slower on CPU (DESIGN.md §7): go row-wise
         scale_a = scale_a.expand(x.shape[0], 1).contiguous()
         scale_b = scale_b.expand(1, weight.shape[0]).contiguous()
-    return torch._scaled_mm(xq.data, weight.data.t(), scale_a, scale_b, out_dtype=x.dtype)
+    return torch._scaled_mm(
+        xq.data, weight.data.t(), scale_a, scale_b, out_dtype=x.dtype, use_fast_accum=USE_FAST_ACCUM
+    )
 
 
 def _int8(x: torch.Tensor, weight: QTensor, xq: QTensor) -> torch.Tensor:
@@ -201,8 +208,9 @@ def _fp8_block(x: torch.Tensor, weight: QTensor, xq: QTensor) -> torch.Tensor:
     scale_b = F.pad(weight.scale, (0, -weight.scale.shape[-1] % 4)).t()
     recipe = F.ScalingType
     return F.scaled_mm(
-        xq.data, weight.data.t(), scale_a, recipe.BlockWise1x128, scale_b, recipe.BlockWise128x128, output_dtype=x.dtype
-    )
+        xq.data, weight.data.t(), scale_a, recipe.BlockWise1x128, scale_b, recipe.BlockWise128x128,
+        output_dtype=x.dtype, use_fast_accum=USE_FAST_ACCUM,
+    )  # fmt: skip
 
 
 def _mxfp8(x: torch.Tensor, weight: QTensor, xq: QTensor) -> torch.Tensor:
@@ -219,6 +227,7 @@ def _mxfp8(x: torch.Tensor, weight: QTensor, xq: QTensor) -> torch.Tensor:
         swizzle_a=swizzle,
         swizzle_b=swizzle,
         output_dtype=x.dtype,
+        use_fast_accum=USE_FAST_ACCUM,
     )
 
 

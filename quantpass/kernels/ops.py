@@ -5,6 +5,8 @@ and asks `linear_call(backend, device)` / `moe_call(...)` for the callable to pu
 the `native` backend is a plain torch function that AOTAutograd traces into aten ops (Inductor
 sees and fuses its activation quantization); the others are opaque custom ops that dispatch to
 the backend module's kernel. Keys travel as their registered names ("" for no activation key).
+A static activation key (`keys.needs_input_scale`: a checkpoint's calibrated scale) adds the
+trailing `input_scale` tensor(s); the kernel finds them on the weight QTensor (`input_scale`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..quant_registry.formats import dequantize
-from ..quant_registry.keys import KEYS, QuantKey
+from ..quant_registry.keys import KEYS, QuantKey, needs_input_scale
 from ..quant_registry.qtensor import QTensor
 from . import oracle
 
@@ -27,8 +29,21 @@ def key_from_arg(name: str) -> QuantKey | None:
     return KEYS[name] if name else None
 
 
-def weight_view(data, scale, scale2, key: str, rows: int, cols: int, dtype) -> QTensor:
-    return QTensor(data, scale, scale2, KEYS[key], torch.Size((*data.shape[:-2], rows, cols)), dtype)
+def weight_view(data, scale, scale2, key: str, rows: int, cols: int, dtype, input_scale=None) -> QTensor:
+    shape = torch.Size((*data.shape[:-2], rows, cols))
+    return QTensor(data, scale, scale2, KEYS[key], shape, dtype, input_scale=input_scale)
+
+
+def op_tensors(weight: QTensor, spec, fqn: str = "layer") -> list[torch.Tensor | None]:
+    """[data, scale, scale2, input_scale] as a rewritten op takes one weight: the input scale only for
+    a static activation key (a pre-quantized checkpoint's calibrated scale), which must then exist."""
+    static = needs_input_scale(spec.activation)
+    if static and weight.input_scale is None:
+        raise ValueError(
+            f"layer {fqn!r}: activation {spec.activation} needs a calibrated input scale (a checkpoint's "
+            "input_scale) and its weights have none; use a dynamic activation key"
+        )
+    return [*weight.tensors(), weight.input_scale if static else None]
 
 
 @torch.library.custom_op("quantpass::linear", mutates_args=())
@@ -42,21 +57,24 @@ def linear(
     activation_key: str,
     backend: str,
     out_features: int,
+    input_scale: Tensor | None = None,
 ) -> Tensor:
     """x [..., K] -> [..., out_features] through `backend`'s kernel."""
     kernel = oracle.backend_module(backend).linear
-    return run_linear(kernel, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features)
+    args = (w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features, input_scale)
+    return run_linear(kernel, x, *args)
 
 
-def run_linear(kernel, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features):
+def run_linear(kernel, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features, input_scale=None):
     """The op's body for a backend's `linear(x2d, QTensor, activation_key, bias)` (graph ops reuse it)."""
-    weight = weight_view(w_data, w_scale, w_scale2, weight_key, out_features, x.shape[-1], x.dtype)
+    dims = (out_features, x.shape[-1], x.dtype)
+    weight = weight_view(w_data, w_scale, w_scale2, weight_key, *dims, input_scale=input_scale)
     out = kernel(x.reshape(-1, x.shape[-1]), weight, key_from_arg(activation_key), bias)
     return out.reshape(*x.shape[:-1], out_features)
 
 
 @linear.register_fake
-def _(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):
+def _(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features, input_scale=None):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
@@ -83,24 +101,29 @@ def fused_moe(
     intermediate_size: int,
     alpha: float,
     limit: float,
+    w13_input_scale: Tensor | None = None,
+    w2_input_scale: Tensor | None = None,
 ) -> Tensor:
     """hidden [T, H], topk [T, k] -> [T, H]: the experts of one MoE layer, routing already done."""
     kernel = oracle.backend_module(backend).fused_moe
     weights = (w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
     gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
     return run_fused_moe(kernel, hidden, topk_weights, topk_ids, *weights, b13, b2, expert_map,
-                         weight_key, activation_key, intermediate_size, *gated)  # fmt: skip
+                         weight_key, activation_key, intermediate_size, *gated,
+                         w13_input_scale, w2_input_scale)  # fmt: skip
 
 
 def run_fused_moe(
     kernel, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2,
     b13, b2, expert_map, weight_key, activation_key, intermediate_size, activation, gate_up_layout,
-    apply_router_weight_on_input, alpha, limit,
+    apply_router_weight_on_input, alpha, limit, w13_input_scale=None, w2_input_scale=None,
 ):  # fmt: skip
     """The op's body for a backend's `fused_moe` (see `reference.fused_moe`; graph ops reuse it)."""
     hidden_size, dtype = hidden.shape[-1], hidden.dtype
-    w13 = weight_view(w13_data, w13_scale, w13_scale2, weight_key, 2 * intermediate_size, hidden_size, dtype)
-    w2 = weight_view(w2_data, w2_scale, w2_scale2, weight_key, hidden_size, intermediate_size, dtype)
+    w13 = weight_view(w13_data, w13_scale, w13_scale2, weight_key, 2 * intermediate_size, hidden_size, dtype,
+                      input_scale=w13_input_scale)  # fmt: skip
+    w2 = weight_view(w2_data, w2_scale, w2_scale2, weight_key, hidden_size, intermediate_size, dtype,
+                     input_scale=w2_input_scale)  # fmt: skip
     flat = hidden.reshape(-1, hidden_size)
     routing = (topk_weights.reshape(flat.shape[0], -1), topk_ids.reshape(flat.shape[0], -1))
     gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
@@ -153,7 +176,7 @@ def dense_weight(backend: str, weight: QTensor, dtype: torch.dtype) -> torch.Ten
 # weight, the activation's quantization passes gradients straight through, and quantized weights
 # get none (they are not inputs of the op that require grad).
 def _setup_linear(ctx, inputs, output):
-    x, w_data, w_scale, w_scale2, _bias, weight_key, _activation_key, backend, out_features = inputs
+    x, w_data, w_scale, w_scale2, _bias, weight_key, _activation_key, backend, out_features, *_ = inputs
     ctx.save_for_backward(w_data, w_scale, w_scale2)
     ctx.meta = (weight_key, backend, out_features, x.shape[-1], x.dtype)
 
@@ -164,7 +187,7 @@ def _linear_backward(ctx, grad):
     weight = weight_view(w_data, w_scale, w_scale2, weight_key, out_features, in_features, dtype)
     grad_x = grad.to(dtype) @ dense_weight(backend, weight, dtype) if ctx.needs_input_grad[0] else None
     grad_bias = grad.reshape(-1, out_features).sum(0) if ctx.needs_input_grad[4] else None
-    return grad_x, None, None, None, grad_bias, None, None, None, None
+    return grad_x, None, None, None, grad_bias, None, None, None, None, None
 
 
 torch.library.register_autograd("quantpass::linear", _linear_backward, setup_context=_setup_linear)
@@ -174,7 +197,7 @@ def _setup_moe(ctx, inputs, output):
     hidden, topk_weights, topk_ids, *rest = inputs
     tensors = rest[:9]  # w13 data/scale/scale2, w2 data/scale/scale2, b13, b2, expert_map
     ctx.save_for_backward(hidden, topk_weights, topk_ids, *tensors)
-    ctx.meta = rest[9:]
+    ctx.meta = rest[9:18]  # keys, backend, gated activation, sizes (not the trailing input scales)
 
 
 def _moe_backward(ctx, grad):
@@ -196,7 +219,7 @@ def _moe_backward(ctx, grad):
         needed = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(out.reshape(grad.shape), needed, grad, allow_unused=True))
     grad_hidden, grad_topk = (next(grads) if t.requires_grad else None for t in inputs)
-    return grad_hidden, grad_topk, *([None] * 19)
+    return grad_hidden, grad_topk, *([None] * 21)
 
 
 def _dense_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

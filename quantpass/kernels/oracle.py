@@ -1,10 +1,15 @@
 """The backend oracle: which kernel runs each quantized site, and why.
 
 Candidates are data: one literal table per kind, `(weight key, activation key) -> backends in
-priority order`. Capability lives with each kernel module (`supports(kind, capability, weight,
-activation, problem) -> (ok, reason)`). Precedence (DESIGN.md §5): a backend the user named >
-`QUANTPASS_DISABLED_BACKENDS` > auto priority. A named backend that can't run raises with its
-reason; auto with nothing left raises listing every rejection.
+priority order`, reordered per device type by `PRIORITY_BY_DEVICE`. Capability lives with each kernel
+module (`supports(kind, capability, weight, activation, problem) -> (ok, reason)`). Precedence
+(DESIGN.md §5): a backend the user named > `QUANTPASS_DISABLED_BACKENDS` > auto priority. A named
+backend that can't run raises with its reason; auto with nothing left raises listing every rejection.
+
+Two device rules on top of the tables: a backend that says it runs a pair by emulation (its reason
+starts with "emulated") is tried after every other candidate but `reference`, since emulation is
+slower by design than a native path; and HIP (ROCm) devices get only `reference` until quantpass's
+GPU kernels support them (see `HIP_REFUSAL`).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ..quant_registry.keys import (
     kMxfp4Static,
     kMxfp8Dynamic,
     kMxfp8Static,
+    kNvfp4CalibratedGlobal,
     kNvfp4Dynamic,
     kNvfp4Static,
 )
@@ -46,7 +52,7 @@ Pair = tuple[QuantKey, "QuantKey | None"]
 LINEAR_CANDIDATES: dict[Pair, list[str]] = {
     (kFp8StaticTensorSym,    kFp8DynamicTensorSym): ["native", "triton", "reference"],
     (kFp8StaticChannelSym,   kFp8DynamicTokenSym):  ["native", "triton", "reference"],
-    (kFp8Static128BlockSym,  kFp8Dynamic128Sym):    ["triton", "native", "reference"],
+    (kFp8Static128BlockSym,  kFp8Dynamic128Sym):    ["native", "triton", "reference"],
     (kMxfp8Static,           kMxfp8Dynamic):        ["flashinfer", "native", "triton", "reference"],
     (kMxfp4Static,           None):                 ["triton", "native", "reference"],
     (kMxfp4Static,           kMxfp8Dynamic):        ["triton", "reference"],
@@ -56,6 +62,10 @@ LINEAR_CANDIDATES: dict[Pair, list[str]] = {
     (kInt8StaticChannelSym,  None):                 ["cpu", "triton", "native", "reference"],
     (kInt4StaticGroup128Sym, None):                 ["cpu", "triton", "native", "reference"],
     (kNvfp4Static,           None):                 ["triton", "native", "reference"],
+    # static activation scales (a pre-quantized checkpoint's input_scale): the reference backend only
+    (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
+    (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
+    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 
 MOE_CANDIDATES: dict[Pair, list[str]] = {
@@ -71,6 +81,9 @@ MOE_CANDIDATES: dict[Pair, list[str]] = {
     (kInt8StaticChannelSym,  None):                 ["triton", "native", "cpu", "reference"],
     (kInt4StaticGroup128Sym, None):                 ["triton", "cpu", "reference"],
     (kNvfp4Static,           None):                 ["triton", "reference"],
+    (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
+    (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
+    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 # fmt: on
 CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
@@ -101,6 +114,18 @@ def candidates(kind: str, pair: Pair, device: str) -> list[str] | None:
 # Triton on CPU runs only under the interpreter, ~6 ms per program per K step (DESIGN.md §7).
 NOT_AUTO_ON = {"cpu": {"triton"}}
 
+# A `supports` reason starting with this word marks an emulated path (e.g. Triton's tl.dot_scaled
+# upcasting MX operands to bf16 on sm90): ranked after every other runnable candidate but `reference`.
+EMULATED = "emulated"
+
+# ROCm builds of torch report AMD GPUs as "cuda" with a capability (MI300: 9.4) that would pass the
+# NVIDIA checks, and quantpass's FP8 data is e4m3fn where MI300 computes e4m3fnuz.
+HIP_REFUSAL = (
+    "HIP (ROCm) device: quantpass's GPU kernels assume NVIDIA GPUs (SM numbers, e4m3fn FP8; MI300 needs "
+    "e4m3fnuz) and are not supported there yet; only the reference backend runs"
+)
+HIP_BACKENDS = frozenset({"reference"})
+
 MODULES = {
     "reference": "quantpass.kernels.reference",
     "native": "quantpass.kernels.native",
@@ -112,12 +137,14 @@ MODULES = {
 
 @dataclass(frozen=True)
 class Capability:
-    """What a device offers: its type, CUDA SM (e.g. 90, 100), importable libraries."""
+    """What a device offers: its type, CUDA SM (e.g. 90, 100), importable libraries. `hip`: an AMD GPU
+    under a ROCm build of torch (device type "cuda", no SM)."""
 
     device: str
     sm: int | None = None
     libs: frozenset[str] = frozenset()
     triton_interpret: bool = False
+    hip: bool = False
 
     @classmethod
     def detect(cls, device: torch.device | str) -> Capability:
@@ -128,10 +155,11 @@ class Capability:
 def _detect(device_type: str, index: int | None) -> Capability:
     libs = frozenset(lib for lib in ("triton", "flashinfer") if importlib.util.find_spec(lib) is not None)
     sm = None
-    if device_type == "cuda":
+    hip = device_type == "cuda" and torch.version.hip is not None
+    if device_type == "cuda" and not hip:
         major, minor = torch.cuda.get_device_capability(index)
         sm = major * 10 + minor
-    return Capability(device_type, sm, libs, envs.triton_interpret())
+    return Capability(device_type, sm, libs, envs.triton_interpret(), hip)
 
 
 @dataclass(frozen=True)
@@ -225,14 +253,16 @@ def _select(kind, weight, activation, capability, problem, named, disabled) -> S
                 + (f"; it takes activations {offered} with this weight" if offered else "")
                 + f"; backends for this pair: {', '.join(ordered)}"
             )
-        ok, why = backend_module(named).supports(kind, capability, weight, activation, problem)
+        ok, why = _supports(named, kind, capability, weight, activation, problem)
         if not ok:
             raise NoKernelError(
                 f"backend {named!r} can't run {kind} {weight}/{activation} on {_where(capability)}: {why}"
             )
         return _chosen(kind, pair, Selection(named, "named by the user"))
-    rejected = {}
+    rejected, emulated = {}, None
     for name in ordered:
+        if name == "reference" and emulated is not None:
+            break  # an emulated kernel still beats the fp32 ground truth
         if name in disabled:
             rejected[name] = "disabled by QUANTPASS_DISABLED_BACKENDS"
             continue
@@ -240,19 +270,34 @@ def _select(kind, weight, activation, capability, problem, named, disabled) -> S
             rejected[name] = f"not chosen automatically on {capability.device} (name it to use it)"
             continue
         try:
-            module = backend_module(name)
+            ok, why = _supports(name, kind, capability, weight, activation, problem)
         except ImportError as e:  # a broken optional dependency must not take the others down
             rejected[name] = f"could not be imported: {e}"
             continue
-        ok, why = module.supports(kind, capability, weight, activation, problem)
-        if ok:
+        if ok and why.startswith(EMULATED):
+            emulated = emulated or (name, why)
+            rejected[name] = f"{why} (ranked after the other backends: emulation is slower by design)"
+        elif ok:
             return _chosen(kind, pair, Selection(name, why or f"first supported of {ordered}", rejected))
-        rejected[name] = why
+        else:
+            rejected[name] = why
+    if emulated is not None:
+        rejected.pop(emulated[0])
+        return _chosen(kind, pair, Selection(*emulated, rejected))
     listing = "; ".join(f"{b}: {r}" for b, r in rejected.items())
     raise NoKernelError(f"no backend can run {kind} {weight}/{activation} on {_where(capability)}: {listing}")
 
 
+def _supports(name, kind, capability, weight, activation, problem) -> tuple[bool, str]:
+    """A backend's own answer, after the device rules every backend shares (HIP)."""
+    if capability.hip and name not in HIP_BACKENDS:
+        return False, HIP_REFUSAL
+    return backend_module(name).supports(kind, capability, weight, activation, problem)
+
+
 def _where(capability: Capability) -> str:
+    if capability.hip:
+        return f"{capability.device} (HIP)"
     return capability.device if capability.sm is None else f"{capability.device} sm{capability.sm}"
 
 
@@ -277,19 +322,26 @@ REFERENCE_CAPABILITIES = {
 }
 
 
+def ranked(kind: str, pair: Pair, capability: Capability, problem: Problem) -> list[str]:
+    """The backends that can run the pair here, in the order auto selection tries them: the table's,
+    with emulated ones moved to just before `reference` (or to the end)."""
+    out, emulated = [], []
+    for name in candidates(kind, pair, capability.device):
+        ok, why = _supports(name, kind, capability, *pair, problem)
+        if name == "reference":
+            out, emulated = out + emulated, []
+        if ok:
+            (emulated if why.startswith(EMULATED) else out).append(name)
+    return out + emulated
+
+
 def kernel_table(problem: Problem = Problem(n=4096, k=4096)) -> list[dict]:
     """What runs where: per (kind, pair), for each reference device, the backends whose own
-    `supports` says yes, in that device's priority order."""
+    `supports` says yes, in the order auto selection tries them there (`ranked`)."""
     rows = []
     for kind, table in CANDIDATES.items():
         for weight, activation in table:
-            backends = {
-                where: [
-                    name
-                    for name in candidates(kind, (weight, activation), capability.device)
-                    if backend_module(name).supports(kind, capability, weight, activation, problem)[0]
-                ]
-                for where, capability in REFERENCE_CAPABILITIES.items()
-            }
+            pair = (weight, activation)
+            backends = {where: ranked(kind, pair, capability, problem) for where, capability in REFERENCE_CAPABILITIES.items()}  # fmt: skip
             rows.append({"kind": kind, "weight": weight, "activation": activation, "backends": backends})
     return rows

@@ -10,11 +10,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..quant_registry.formats import dequantize, quantize
-from ..quant_registry.keys import QuantKey
+from ..quant_registry.formats import E4M3_MIN_SCALE, ELEMENTS, _round, dequantize, quantize
+from ..quant_registry.keys import FP4, FP8, QuantKey, kFp8StaticTensorSym, kNvfp4CalibratedGlobal, needs_input_scale
 from ..quant_registry.qtensor import QTensor
 
-DEVICES = "any"
+DEVICES = "any"  # and the only backend with static (calibrated) activation scales
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
 
@@ -23,14 +23,41 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
     return True, "dequantize + fp32 matmul (the ground truth; slow)"
 
 
-def fake_quantize(x: torch.Tensor, key: QuantKey | None) -> torch.Tensor:
-    """x as a kernel sees it after activation quantization, in fp32."""
-    return x.float() if key is None else dequantize(quantize(x, key), torch.float32)
+def fake_quantize(x: torch.Tensor, key: QuantKey | None, input_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """x as a kernel sees it after activation quantization, in fp32. A static key
+    (`needs_input_scale`) uses the layer's calibrated `input_scale` instead of computing one."""
+    if key is None:
+        return x.float()
+    if not needs_input_scale(key):
+        return dequantize(quantize(x, key), torch.float32)
+    if input_scale is None:
+        raise ValueError(
+            f"activation {key} needs the layer's calibrated input scale (a pre-quantized checkpoint's "
+            "input_scale) and this weight has none; use a dynamic activation key"
+        )
+    return STATIC_FAKE_QUANTIZE[key](x.float(), input_scale.float().to(x.device))
+
+
+def _fp8_static_per_tensor(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    limit = ELEMENTS[FP8].max
+    return (x / scale).clamp(-limit, limit).to(FP8).float() * scale
+
+
+def _nvfp4_calibrated_global(x: torch.Tensor, global_scale: torch.Tensor) -> torch.Tensor:
+    """NVFP4 with per-call e4m3 scales per 1x16 block under the static fp32 global scale."""
+    cols = x.shape[-1]
+    blocks = F.pad(x, (0, -cols % 16)).unflatten(-1, (-1, 16))
+    block_scale = blocks.abs().amax(dim=-1, keepdim=True) / ELEMENTS[FP4].max / global_scale
+    scale = block_scale.clamp(E4M3_MIN_SCALE, ELEMENTS[FP8].max).to(FP8).float() * global_scale
+    return (_round(blocks / scale, FP4) * scale).flatten(-2)[..., :cols]
+
+
+STATIC_FAKE_QUANTIZE = {kFp8StaticTensorSym: _fp8_static_per_tensor, kNvfp4CalibratedGlobal: _nvfp4_calibrated_global}
 
 
 def linear(x: torch.Tensor, weight: QTensor, activation: QuantKey | None, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x.dtype."""
-    out = fake_quantize(x, activation) @ dequantize(weight, torch.float32).t()
+    out = fake_quantize(x, activation, weight.input_scale) @ dequantize(weight, torch.float32).t()
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -83,7 +110,8 @@ def fused_moe(
     w13 [E, 2I, H], w2 [E, H, I] hold the local experts; `expert_map` [global E] maps a global expert
     id to its local index, -1 for experts that live elsewhere (they contribute nothing here).
     Each GEMM's input is quantized once over all routed rows (as fused kernels do), so a
-    per-tensor activation key gets one scale per GEMM, not one per expert. `expert_matmul(x fp32
+    per-tensor activation key gets one scale per GEMM, not one per expert; a static key
+    (a checkpoint's calibrated `input_scale`, `[]` or `[E]`) uses each expert's own. `expert_matmul(x fp32
     [R, K], one expert's QTensor [N, K]) -> fp32 [R, N]` replaces dequantize + matmul (the cpu
     backend runs its kernels in this loop).
     """
@@ -94,10 +122,16 @@ def fused_moe(
     x = hidden[tokens].float()
     if apply_router_weight_on_input:
         x = x * router
-    x = fake_quantize(x.to(hidden.dtype), activation_key)
-    h = _per_expert(x, experts, w13, b13, expert_matmul)
-    a = fake_quantize(gated_activation(h, activation, gate_up_layout, alpha, limit).to(hidden.dtype), activation_key)
-    y = _per_expert(a, experts, w2, b2, expert_matmul)
+    matmul, quantize_rows = expert_matmul, lambda rows: fake_quantize(rows.to(hidden.dtype), activation_key)
+    if needs_input_scale(activation_key):  # each expert's rows with its own static scale
+
+        def matmul(rows, weight):
+            return expert_matmul(fake_quantize(rows.to(hidden.dtype), activation_key, weight.input_scale), weight)
+
+        quantize_rows = torch.Tensor.float
+    h = _per_expert(quantize_rows(x), experts, w13, b13, matmul)
+    a = quantize_rows(gated_activation(h, activation, gate_up_layout, alpha, limit))
+    y = _per_expert(a, experts, w2, b2, matmul)
     if not apply_router_weight_on_input:
         y = y * router
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..patterns.site import param_refs
-from ..weight_cache import WEIGHTS
+from ..weight_cache import WEIGHTS, return_freed_memory
 from .fx_utils import mutated_placeholders
 from .verify import rows, verify_site, verify_token
 
@@ -70,9 +70,13 @@ class _Builder:
                 inputs = original = None
             verify_site(q, self.example_inputs, inputs, original)
             self.verified.add(token)
-        for index, release in zip(q.binding.param_indices, q.binding.release):
-            if release and self.last[index] is q:
-                WEIGHTS.release(self.example_inputs[index])
+        released = [
+            WEIGHTS.release(self.example_inputs[index])
+            for index, release in zip(q.binding.param_indices, q.binding.release)
+            if release and self.last[index] is q
+        ]
+        if any(released):
+            return_freed_memory()  # layer by layer: the compile's peak stays near the model plus one layer
         self.progress.update()
 
     def finish(self) -> None:

@@ -21,11 +21,13 @@ import torch
 import torch.fx as fx
 
 from ..distributed import adapt_sites, check_shards, local_tensor, normalize
+from ..kernels.ops import op_tensors
 from ..kernels.oracle import Capability, NoKernelError
 from ..patterns.linear import find_linear_sites
 from ..patterns.site import ParamRef, Site, param_refs
 from ..plan import Plan, PlanRow
 from ..quant_registry.formats import dequantize, quantize
+from ..quant_registry.keys import needs_input_scale
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantizationConfig, QuantSpec
 from ..weight_cache import WEIGHTS
@@ -192,7 +194,7 @@ def _binding(q: QuantizedSite) -> Binding:
                 WEIGHTS.set_canonical(param, (spec.weight, ref.transposed), weight)
                 if not binding.deferred:  # another instance through this graph, new data: free it now
                     WEIGHTS.release(param)
-        return qtensors, [t for qt in qtensors for t in qt.tensors() if t is not None]
+        return qtensors, [t for qt in qtensors for t in op_tensors(qt, spec, site.fqn) if t is not None]
 
     binding.build = build
     return binding
@@ -205,13 +207,15 @@ def _rewrite(graph: fx.Graph, chosen: list[QuantizedSite], differentiable: bool)
     for q in chosen:
         binding = _binding(q)
         binding = bindings.setdefault((binding.param_indices, binding.token), binding)
+        has_scale2, static = q.spec.weight.scale2 is not None, needs_input_scale(q.spec.activation)
         if not binding.nodes:
-            slots = 3 if q.spec.weight.scale2 is not None else 2  # data, scale (, scale2)
+            slots = 2 + has_scale2 + static  # data, scale (, scale2) (, input_scale)
             names = [f"quantpass_{q.site.fqn.replace('.', '_')}_{i}" for i in range(q.site.weight_count * slots)]
             binding.nodes = add_placeholders(graph, names)
         q.binding = binding
         nodes = iter(binding.nodes)
-        weights = [[next(nodes), next(nodes), next(nodes) if slots == 3 else None] for _ in range(q.site.weight_count)]
+        present = (True, True, has_scale2, static)
+        weights = [[next(nodes) if p else None for p in present] for _ in range(q.site.weight_count)]
         q.site.remap(replaced)
         old = q.site.output_node
         replaced[old] = q.site.rewrite(graph, weights, q.spec, q.backend, q.device_type, differentiable)

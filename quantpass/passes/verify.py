@@ -17,6 +17,8 @@ import torch
 
 from ..distributed import local_tensor
 from ..metrics import sqnr
+from ..quant_registry.formats import ELEMENTS
+from ..quant_registry.keys import needs_input_scale
 from ..weight_cache import WEIGHTS
 
 logger = logging.getLogger("quantpass")
@@ -56,6 +58,7 @@ def verify_site(q, example_inputs, inputs=None, original=None) -> float:
     with torch.no_grad():
         if inputs is None:
             inputs = site.sample_inputs(_like(example_inputs), values[0].device, values[0].dtype)
+            inputs[0] = _calibrated(inputs[0], q, example_inputs)
             values = [WEIGHTS.dense(v) if WEIGHTS.is_released(v) else v for v in values]  # a recompile's
             values = [local_tensor(v) for v in values]  # a sharded weight: the shard the site computes with
             original = site.run_original(inputs, values)
@@ -71,6 +74,17 @@ def verify_site(q, example_inputs, inputs=None, original=None) -> float:
             "pattern is wrong: report it, and meanwhile pick another backend or verify=False at your own risk"
         )
     return value
+
+
+def _calibrated(x: torch.Tensor, q, example_inputs) -> torch.Tensor:
+    """Sample activations for a static activation scale (a checkpoint's calibrated `input_scale`)
+    spanning the range it was calibrated for: any other range measures clipping, not the kernel."""
+    key = q.spec.activation
+    if not needs_input_scale(key):
+        return x
+    input_scale = q.binding.qtensors(example_inputs)[0].input_scale.float().max()
+    amax = input_scale * ELEMENTS[key.dtype].max * (ELEMENTS[key.scale.dtype].max if key.scale2 is not None else 1)
+    return (x.float() * (amax / x.float().abs().amax().clamp(min=1e-12))).to(x.dtype)
 
 
 def _like(example_inputs) -> torch.Tensor | None:

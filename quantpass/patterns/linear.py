@@ -51,9 +51,10 @@ class LinearSite(Site):
         return [ops.prepare_weight(backend, "linear", weights[0])]
 
     def _op_args(self, x, tensors, bias, spec, backend):
-        data, scale, scale2 = tensors
+        data, scale, scale2, input_scale = tensors  # input_scale: static activation keys only
         key, act = ops.key_arg(spec.weight), ops.key_arg(spec.activation)
-        return (x, data, scale, scale2, bias, key, act, backend, self.problem.n)
+        static = () if input_scale is None else (input_scale,)
+        return (x, data, scale, scale2, bias, key, act, backend, self.problem.n, *static)
 
     def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
         target = ops.linear_call(backend, device_type, differentiable)
@@ -76,7 +77,7 @@ class LinearSite(Site):
     def run_quantized(self, inputs, weights, spec, backend, device_type):
         target = ops.linear_call(backend, device_type)
         bias = inputs[1] if len(inputs) > 1 else None  # real activations come with the layer's bias
-        return target(*self._op_args(inputs[0], weights[0].tensors(), bias, spec, backend))
+        return target(*self._op_args(inputs[0], ops.op_tensors(weights[0], spec, self.fqn), bias, spec, backend))
 
 
 def _strip_transpose(node) -> tuple[fx.Node, bool]:

@@ -87,13 +87,14 @@ class MoESite(Site):
         return list(ops.prepare_moe_weights(backend, w13, weights[-1], self.gate_up_layout))  # w2 [E, H, I]
 
     def _op_args(self, hidden, topk_weights, topk_ids, weights, b13, b2, spec, backend):
-        (w13, w13_scale, w13_scale2), (w2, w2_scale, w2_scale2) = weights
+        (w13, w13_scale, w13_scale2, w13_input_scale), (w2, w2_scale, w2_scale2, w2_input_scale) = weights
+        static = () if w13_input_scale is None else (w13_input_scale, w2_input_scale)  # static activation keys
         return (
             hidden, topk_weights, topk_ids,
             w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2, b13, b2, None,
             ops.key_arg(spec.weight), ops.key_arg(spec.activation), backend,
             self.activation, self.gate_up_layout, self.apply_router_weight_on_input,
-            self.problem.n, self.alpha, self.limit,
+            self.problem.n, self.alpha, self.limit, *static,
         )  # fmt: skip
 
     def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
@@ -136,7 +137,8 @@ class MoESite(Site):
     def run_quantized(self, inputs, weights, spec, backend, device_type):
         target = ops.moe_call(backend, device_type)
         b13, b2 = self._biases(inputs[0].device)
-        out = target(*self._op_args(*inputs, [w.tensors() for w in weights], b13, b2, spec, backend))
+        tensors = [ops.op_tensors(w, spec, self.fqn) for w in weights]
+        out = target(*self._op_args(*inputs, tensors, b13, b2, spec, backend))
         return out.to(value(self.output).dtype)
 
 

@@ -77,7 +77,8 @@ class ExpertGemmSite(Site):
         """`dequantize_weight`'s arguments for one weight: back to its stored layout and dtype."""
         stored = value(ref.node)
         rows, cols = (int(d) for d in ref.matrix(stored).shape[-2:])
-        return (*tensors, ops.key_arg(spec.weight), rows, cols, stored.dtype, ref.transposed)
+        data, scale, scale2 = tensors[:3]  # (the rewrite's 4th slot, a static input scale, is never set here)
+        return (data, scale, scale2, ops.key_arg(spec.weight), rows, cols, stored.dtype, ref.transposed)
 
     def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
         """Every read of each weight placeholder reads the dequantized weight instead. No backward is

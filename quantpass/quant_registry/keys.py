@@ -119,12 +119,24 @@ kNvfp4Dynamic = _key(FP4, FP8, False, GROUP_1x16, ScaleDesc(F32, False, PER_TENS
 kInt8StaticChannelSym = _key(INT8, F32, True, PER_ROW)
 kInt8DynamicTokenSym = _key(INT8, F32, False, PER_ROW)
 kInt4StaticGroup128Sym = _key(INT4, F32, True, GROUP_1x128)
+# Activations with a static (calibrated) scale, read from a pre-quantized checkpoint's `input_scale`:
+# FP8 per-tensor is the weight key's numeric description used for activations; NVFP4 keeps per-call
+# block scales under a static global scale (ModelOpt's NVFP4 `input_scale`).
+kNvfp4CalibratedGlobal = QuantKey(FP4, ScaleDesc(FP8, False, GROUP_1x16), ScaleDesc(F32, True, PER_TENSOR))
 
 # Every registered key by its constant name (unique). Role-aware format names live in spec.py.
 KEYS: dict[str, QuantKey] = {
     name: value for name, value in dict(globals()).items() if name.startswith("k") and isinstance(value, QuantKey)
 }
 KEY_NAMES: dict[QuantKey, str] = {key: name for name, key in KEYS.items()}
+
+
+STATIC_ACTIVATION_KEYS = frozenset({kFp8StaticTensorSym, kNvfp4CalibratedGlobal})
+
+
+def needs_input_scale(activation: QuantKey | None) -> bool:
+    """An activation key whose (global) scale is static: the layer must carry its `input_scale`."""
+    return activation in STATIC_ACTIVATION_KEYS
 
 
 def key_name(key: QuantKey | None) -> str | None:

@@ -17,6 +17,10 @@ class QTensor:
     to a multiple of the key's column group (packed two per byte for 4-bit elements); `scale` is
     `[..., ceil(R / group_rows), ceil(C / group_cols)]` with whole-extent groups giving size 1.
     `shape` and `dtype` are the original tensor's, restored by `dequantize`.
+
+    `input_scale`: a weight from a pre-quantized checkpoint may carry its layer's calibrated static
+    activation scale (fp32, `[]`, or `[E]` per expert), used by activation keys that need one
+    (`keys.needs_input_scale`); it is not part of the weight's own numbers.
     """
 
     data: torch.Tensor
@@ -25,6 +29,7 @@ class QTensor:
     key: QuantKey
     shape: torch.Size
     dtype: torch.dtype
+    input_scale: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         return (self.data, self.scale, self.scale2)
@@ -35,6 +40,7 @@ class QTensor:
 
     def __getitem__(self, index: int) -> QTensor:
         """One matrix of a batched `[E, N, K]` tensor (one expert)."""
+        input_scale = self.input_scale
         return QTensor(
             self.data[index],
             self.scale[index],
@@ -42,11 +48,12 @@ class QTensor:
             key=self.key,
             shape=self.shape[1:],
             dtype=self.dtype,
+            input_scale=input_scale[index] if input_scale is not None and input_scale.dim() else input_scale,
         )
 
     def to(self, device) -> QTensor:
-        moved = [None if t is None else t.to(device) for t in self.tensors()]
-        return QTensor(*moved, key=self.key, shape=self.shape, dtype=self.dtype)
+        moved = [None if t is None else t.to(device) for t in (*self.tensors(), self.input_scale)]
+        return QTensor(*moved[:3], key=self.key, shape=self.shape, dtype=self.dtype, input_scale=moved[3])
 
     def __repr__(self) -> str:
         scale2 = "" if self.scale2 is None else f", scale2={tuple(self.scale2.shape)}"

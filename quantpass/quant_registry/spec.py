@@ -14,6 +14,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from .keys import (
     KEYS,
+    STATIC_ACTIVATION_KEYS,
     QuantKey,
     kFp8Dynamic128Sym,
     kFp8DynamicTensorSym,
@@ -87,7 +88,8 @@ def quant_key(name: str | QuantKey, role: str = "weight") -> QuantKey:
     else:
         valid = [n for n, keys in ROLE_NAMES.items() if keys[ROLES.index(role)] is not None]
         raise _invalid(f"{role} quantization", name, [*valid, *KEYS])
-    if key.static != (role == "weight"):
+    # static activation keys (a checkpoint's calibrated `input_scale`) are named by their constants
+    if key.static != (role == "weight") and not (role == "activation" and key in STATIC_ACTIVATION_KEYS):
         need = "static" if role == "weight" else "dynamic"
         raise ValueError(f"invalid {role} key {key}: a {role} key must have {need} scales")
     return key
@@ -238,7 +240,9 @@ class QuantizationConfig:
 
     # -- resolution ---------------------------------------------------------------------------
     def resolve(self, fqn: str, kind: str) -> QuantSpec | None:
-        return self.resolve_with_reason(fqn, kind)[0]
+        """The spec for one layer; an activation without a weight format raises (use the pass's
+        `resolve_with_reason` for models that mix pre-quantized and full-precision layers)."""
+        return self._resolve(fqn, kind)[0]
 
     def resolve_with_reason(
         self, fqn: str, kind: str, declared: QuantSpec | None = None, source: str = "checkpoint", requantize=False
@@ -248,8 +252,11 @@ class QuantizationConfig:
         `declared`: the spec the layer's weights already have (a pre-quantized checkpoint: `source`).
         It is the default; the config may change its activation (the user's wins), not its weight
         format, unless `requantize` (from the dequantized weights)."""
-        if declared is None:
-            return self._resolve(fqn, kind)
+        if declared is None:  # an activation-only slot is for pre-quantized layers: not this one
+            spec, reason = self._resolve(fqn, kind, allow_activation_only=True)
+            if spec is not None and spec.weight is None:
+                return None, f"{reason} sets only an activation, for pre-quantized layers; this one is not"
+            return spec, reason
         if any(pattern_matches(pattern, fqn) for pattern in self.ignore):
             return self._resolve(fqn, kind)
         spec, reason = self._resolve(fqn, kind, allow_activation_only=True)

@@ -1,33 +1,278 @@
-/* Weight-only linear for x86-64 AVX2 + FMA: out[M, N] = x[M, Kp] @ dequant(w)[N, Kp].T, for INT4 with
- * one scale per 128 weights of a row and INT8 with one scale per row.
+/* Weight-only linear for x86-64 with AVX2, FMA and F16C:
+ *   out[M, N] = x[M, K] @ dequant(w)[N, Kp].T (+ bias[N]),
+ * for INT4 with one fp32 scale per 128 weights of a row and INT8 with one fp32 scale per row. x, bias and
+ * out are fp32, bf16 or fp16 (out rounded to nearest even once, after the bias). Built and loaded at run
+ * time by quantpass/kernels/cpu_avx2.py (ctypes; no Python or torch headers).
  *
- * Built and loaded at run time by quantpass/kernels/cpu_avx2.py (ctypes; no Python or torch headers).
- * Activations stay fp32: this is exact weight-only arithmetic, the same products the reference forms
- * (q * scale) * x, summed in fp32 in a different order.
+ * Weights are read in the layout quantpass quantizes into, so "preparing" them copies nothing:
+ *   INT4: w [N, Kp / 2] bytes, Kp a multiple of 128: byte j of a row holds code(2j) in its low nibble and
+ *         code(2j + 1) in its high one, code = q + 8. s [N, Kp / 128] fp32.
+ *   INT8: w [N, Kp] int8 in [-127, 127], any Kp; s [N] fp32.
+ * x has K <= Kp columns (the rest count as zeros). The activations are rearranged once per call instead
+ * of the weights: for INT4 each run of 64 columns becomes its 32 even columns, then its 32 odd ones, so
+ * the low nibbles of 32 weight bytes meet 32 consecutive activations and the high nibbles the next 32.
  *
- * INT4 layout ("split16", written by cpu_avx2.pack): w is [N, Kp / 2] bytes, Kp a multiple of 128. In
- * each run of 16 weights k = 16c .. 16c + 15 of a row, byte 8c + i holds code(16c + i) in its low nibble
- * and code(16c + 8 + i) in its high nibble, code = q + 8 with q in [-7, 7]. One zero-extending load of 8
- * bytes then gives both halves of 16 weights in 32-bit lanes: (v & 15) and (v >> 4). A nibble becomes a
- * float without a conversion instruction: OR-ing a code c < 2^23 into the mantissa of 2^23 gives the
- * float 2^23 + c exactly, and subtracting 2^23 + 8 leaves q. s is [N, Kp / 128] fp32.
+ * How the products are formed (`mode`, at any M):
+ *   EXACT  fp32 activations. Each weight becomes a float (INT4 without a conversion instruction: OR-ing a
+ *          code c < 2^23 into the mantissa of 2^23 gives the float 2^23 + c exactly), one FMA per weight
+ *          and activation row: the reference's products, summed in another order.
+ *   INT8   INT4 x int8 activations, as llama.cpp's Q8 ones: each block of 128 activations (= one weight group)
+ *          becomes int8 q with one fp32 scale d = max|x| / 127, once per call. Per 32 weight bytes: an
+ *          AND and a shift unpack 64 codes, two _mm256_maddubs_epi16 (unsigned codes x signed q) give
+ *          int16 pair sums, added in int16 over the group (4 * 2 * 15 * 127 < 2^15); per group one
+ *          _mm256_madd_epi16 to int32, one subtraction of 8 * sum(q) (precomputed), one conversion and one
+ *          FMA by the weight's scale times d.
+ *   INT16  INT8 x int16 activations: each block of 128 activations becomes int16 (d = max|x| / 32767: 15 bits, more
+ *          than bf16's 8), so the products are exact integer ones: 16 weights sign-extend to int16 in one
+ *          instruction and meet 16 activations in one _mm256_madd_epi16 (an int32 lane gathers at most
+ *          16 * 127 * 32767 < 2^31 per block); one conversion and one FMA by d per block, the row's
+ *          scale once at the end.
  *
- * INT8 layout: w is [N, Kp] int8 (Kp a multiple of 8), s is [N] fp32: a sign-extending load of 8 bytes
- * and one conversion give 8 weights.
- *
- * Each scale group (128 weights, or the whole row) accumulates sum(q * x) in registers, then adds it
- * times the group's scale. A tile is R weight rows x MB activation rows: each 8-byte run of a row is
- * decoded once and used for MB rows of x (R * MB accumulators, with the decoded weights and the x
- * vectors, fit the 16 ymm registers). Threads (OpenMP, the same libgomp torch uses) split N in blocks
- * of 4 rows.
+ * Tiles: R weight rows x MB activation rows (MB <= 4; more rows repeat the tile over the same weights,
+ * now in cache). Threads (OpenMP, the libgomp torch loaded) split N into contiguous ranges that start on
+ * multiples of 16 rows, so no two threads write one 64-byte line of fp32 output and each streams its own
+ * part of the weights. Every output is one thread's sum in a fixed order, whatever the number of threads
+ * (built with -ffp-contract=off: only the FMAs written here).
  */
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
-static inline __attribute__((always_inline)) void tile(const float *x, int64_t ldx, const uint8_t *w, const float *s,
-                                                       float *out, int64_t ldo, int64_t kp, int64_t group, int BITS,
-                                                       int R, int MB) {
-  const int64_t groups = kp / group, row_bytes = kp * BITS / 8, step = 64 / BITS; /* weights per 8 bytes */
+enum { F32 = 0, BF16 = 1, F16 = 2 };      /* element types of x, bias and out */
+enum { EXACT = 0, INT8 = 1, INT16 = 2 };  /* `mode` (INT8 for INT4 weights, INT16 for INT8 weights) */
+#define GROUP 128                         /* INT4 weights per scale, and activations per block */
+#define ROW_ALIGN 16                      /* thread ranges start on multiples of 16 rows */
+#define MIN_WEIGHTS_PER_THREAD (1 << 18)  /* below this, one thread (waking another costs more) */
+#define INLINE static inline __attribute__((always_inline))
+
+/* ---- activations: into fp32 (INT4: in the even/odd order), then into integers ---- */
+
+INLINE float to_f32(const void *p, int type, int64_t i) {
+  if (type == F32) return ((const float *)p)[i];
+  if (type == F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+  const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+INLINE __m256 load8_f32(const void *p, int type, int64_t i) {
+  if (type == F32) return _mm256_loadu_ps((const float *)p + i);
+  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+  if (type == F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* x row [K] of `type` -> dst [kpad] fp32, zero past K; INT4 (`split`) reorders each run of 64. */
+static void row_to_f32(const void *x, int type, int64_t K, float *dst, int64_t kpad, int split) {
+  int64_t k = 0;
+  if (!split) {
+    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load8_f32(x, type, k));
+    for (; k < K; k++) dst[k] = to_f32(x, type, k);
+    for (; k < kpad; k++) dst[k] = 0.0f;
+    return;
+  }
+  for (; k + 64 <= K; k += 64) /* 16 columns at a time: evens to dst[k + i], odds to dst[k + 32 + i] */
+    for (int i = 0; i < 32; i += 8) {
+      const __m256 a = load8_f32(x, type, k + 2 * i), b = load8_f32(x, type, k + 2 * i + 8);
+      const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0)); /* a0 a2 b0 b2 | a4 a6 b4 b6 */
+      const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+      _mm256_storeu_ps(dst + k + i, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), 0xD8)));
+      _mm256_storeu_ps(dst + k + 32 + i, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), 0xD8)));
+    }
+  for (; k < kpad; k++) { /* the last, partial run (and the padding) one at a time */
+    const int64_t run = k & ~(int64_t)63, j = k - run;
+    dst[run + (j & 1) * 32 + j / 2] = k < K ? to_f32(x, type, k) : 0.0f;
+  }
+}
+
+/* One activation row in integers, per block of 128 with one scale d = max|x| / qmax, qmax = 127 (INT8
+ * mode) or 32767 (INT16 mode): q[128] int8 or int16, then dx[blocks] = d, then (INT8 mode) per block the
+ * int32 vector (-8 * sum(q), 0, ..., 0): what the +8 of the INT4 codes added, taken off once per group. */
+typedef struct {
+  int64_t blocks, block_bytes, stride; /* per row: blocks * block_bytes of q, dx, then corr */
+} qlayout;
+
+INLINE qlayout layout(int64_t kpad, int mode) {
+  qlayout l;
+  l.blocks = kpad / GROUP;
+  l.block_bytes = mode == INT16 ? 2 * GROUP : GROUP;
+  const int64_t bytes = l.blocks * (l.block_bytes + 4 + (mode == INT8 ? 32 : 0));
+  l.stride = (bytes + 63) & ~(int64_t)63;
+  return l;
+}
+
+INLINE int64_t padded_k(int64_t kp, int bits, int mode) {
+  const int64_t multiple = bits == 4 || mode == INT16 ? GROUP : 8;
+  return (kp + multiple - 1) / multiple * multiple;
+}
+
+INLINE float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+/* max |v[i]| over 128 floats, or NaN if any is NaN or infinite */
+static float amax128(const float *v) {
+  const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 m = _mm256_setzero_ps(), poison = _mm256_setzero_ps(); /* v * 0 is NaN for NaN or inf */
+  for (int i = 0; i < GROUP; i += 8) {
+    const __m256 x = _mm256_loadu_ps(v + i);
+    m = _mm256_max_ps(m, _mm256_and_ps(x, absmask));
+    poison = _mm256_add_ps(poison, _mm256_mul_ps(x, _mm256_setzero_ps()));
+  }
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  return hsum(poison) == 0.0f ? _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h))) : NAN;
+}
+
+INLINE __m256i rounded(const float *v, __m256 inv) {
+  return _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(v), inv)); /* MXCSR's default: to nearest even */
+}
+
+/* packs works per 128-bit lane; these restore the order of a, b (c, d) */
+INLINE __m256i pack_i16(__m256i a, __m256i b) { return _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8); }
+INLINE __m256i pack_i8(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(c, d));
+  return _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* A block whose activations are not all finite gets dx = NaN: its outputs are NaN, as the reference's. */
+static void quantize_row(const float *xf, int mode, uint8_t *dst, qlayout l) {
+  float *dx = (float *)(dst + l.blocks * l.block_bytes);
+  int32_t *corr = (int32_t *)(dx + l.blocks);
+  const float qmax = mode == INT16 ? 32767.0f : 127.0f;
+  for (int64_t b = 0; b < l.blocks; b++) {
+    const float *v = xf + b * GROUP, m = amax128(v);
+    const __m256 inv = _mm256_set1_ps(m > 0.0f ? qmax / m : 0.0f); /* |x * inv| <= qmax (+ rounding) */
+    uint8_t *q = dst + b * l.block_bytes;
+    dx[b] = m / qmax;
+    if (mode == INT16) {
+      for (int i = 0; i < GROUP; i += 16)
+        _mm256_storeu_si256((__m256i *)(q + 2 * i), pack_i16(rounded(v + i, inv), rounded(v + i + 8, inv)));
+      continue;
+    }
+    __m256i sum = _mm256_setzero_si256();
+    for (int i = 0; i < GROUP; i += 32) {
+      __m256i r[4];
+      for (int j = 0; j < 4; j++) sum = _mm256_add_epi32(sum, r[j] = rounded(v + i + 8 * j, inv));
+      _mm256_storeu_si256((__m256i *)(q + i), pack_i8(r[0], r[1], r[2], r[3]));
+    }
+    const __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    const __m128i s2 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, _MM_SHUFFLE(1, 0, 3, 2)));
+    corr[8 * b] = -8 * _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32(s2, _MM_SHUFFLE(2, 3, 0, 1))));
+    for (int i = 1; i < 8; i++) corr[8 * b + i] = 0;
+  }
+}
+
+/* ---- tiles: res[m * R + r] = row r of w . activation row m, fp32 ---- */
+
+/* A tile of R rows reads R streams; the hardware prefetchers start late on each (a 2 KB INT4 row is half
+ * a page), so each tile asks for the next tile's rows as it goes: one line per 64 bytes it reads. A
+ * prefetch past the end of the weights is harmless (it never faults). */
+INLINE void prefetch(const uint8_t *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
+
+/* 16 (8) weight bytes from p where `avail` of them belong to the row; the rest read as zero */
+INLINE __m128i load16(const uint8_t *p, int64_t avail) {
+  if (avail >= 16) return _mm_loadu_si128((const __m128i *)p);
+  uint8_t tmp[16] = {0};
+  if (avail > 0) memcpy(tmp, p, (size_t)avail);
+  return _mm_loadu_si128((const __m128i *)tmp);
+}
+
+INLINE __m128i load8(const uint8_t *p, int64_t avail) {
+  if (avail >= 8) return _mm_loadl_epi64((const __m128i *)p);
+  uint8_t tmp[8] = {0};
+  if (avail > 0) memcpy(tmp, p, (size_t)avail);
+  return _mm_loadl_epi64((const __m128i *)tmp);
+}
+
+/* INT4 x int8 activations. acts: the MB rows' quantized activations, `l.stride` apart. */
+INLINE void tile_int4_int8(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes, const float *s,
+                           float *res, int R, int MB) {
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[4][4];
+  for (int m = 0; m < MB; m++)
+    for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < l.blocks; g++) {
+    __m256i sum[4][4];
+    for (int m = 0; m < MB; m++)
+      for (int r = 0; r < R; r++) sum[m][r] = _mm256_setzero_si256();
+    for (int c = 0; c < 2; c++) /* 32 bytes: low nibbles meet activations 64c .. +31 of the group, high +32 */
+      for (int r = 0; r < R; r++) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + r * row_bytes + g * 64 + c * 32));
+        if (c == 0) prefetch(w + (r + R) * row_bytes + g * 64); /* the next tile's row */
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+        for (int m = 0; m < MB; m++) {
+          const uint8_t *q = acts + m * l.stride + g * GROUP + c * 64;
+          const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q));
+          const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 32)));
+          sum[m][r] = _mm256_add_epi16(sum[m][r], _mm256_add_epi16(plo, phi));
+        }
+      }
+    for (int m = 0; m < MB; m++) {
+      const uint8_t *a = acts + m * l.stride;
+      const float dx = ((const float *)(a + l.blocks * l.block_bytes))[g];
+      const __m256i corr = _mm256_loadu_si256((const __m256i *)(a + l.blocks * (l.block_bytes + 4)) + g);
+      for (int r = 0; r < R; r++) {
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sum[m][r], ones), corr);
+        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[r * l.blocks + g] * dx), acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int r = 0; r < R; r++) res[m * R + r] = hsum(acc[m][r]);
+}
+
+/* INT8 x int16 activations, one block of 128: `whole` (a constant where inlined) unless it is the row's
+ * last, which may end inside the block. */
+INLINE void block_int8_int16(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes, int64_t b,
+                             int whole, __m256 acc[4][8], int R, int MB) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) {
+    __m256i dot[4];
+    for (int m = 0; m < MB; m++) dot[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int c = 0; c < GROUP / 16; c++) {
+      const int64_t k = b * GROUP + 16 * c;
+      const uint8_t *p = w + r * row_bytes + k;
+      const __m256i v = _mm256_cvtepi8_epi16(whole ? _mm_loadu_si128((const __m128i *)p) : load16(p, row_bytes - k));
+      if (c % 4 == 0) prefetch(w + (r + R) * row_bytes + k); /* the next tile's row */
+      for (int m = 0; m < MB; m++) {
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(acts + m * l.stride + 2 * k));
+        dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(v, q));
+      }
+    }
+    for (int m = 0; m < MB; m++) {
+      const float *dx = (const float *)(acts + m * l.stride + l.blocks * l.block_bytes);
+      acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), _mm256_broadcast_ss(dx + b), acc[m][r]);
+    }
+  }
+}
+
+INLINE void tile_int8_int16(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes, const float *s,
+                            float *res, int R, int MB) {
+  __m256 acc[4][8];
+  for (int m = 0; m < MB; m++)
+    for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();
+  const int64_t whole = row_bytes / GROUP < l.blocks ? row_bytes / GROUP : l.blocks;
+  for (int64_t b = 0; b < whole; b++) block_int8_int16(acts, l, w, row_bytes, b, 1, acc, R, MB);
+  for (int64_t b = whole; b < l.blocks; b++) block_int8_int16(acts, l, w, row_bytes, b, 0, acc, R, MB);
+  for (int m = 0; m < MB; m++)
+    for (int r = 0; r < R; r++) res[m * R + r] = hsum(acc[m][r]) * s[r];
+}
+
+/* Exact: fp32 activations x [MB][ldx] (INT4: in the even/odd order), weights decoded 8 bytes at a time. */
+INLINE void tile_exact(const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, const float *s,
+                       int64_t kpad, int bits, float *res, int R, int MB) {
+  const int64_t group = bits == 4 ? GROUP : kpad, groups = kpad / group;
   const __m256i low4 = _mm256_set1_epi32(0xF), magic = _mm256_set1_epi32(0x4B000000); /* 2^23 */
   const __m256 bias = _mm256_set1_ps(8388616.0f);                                      /* 2^23 + 8 */
   __m256 total[4][4];
@@ -37,82 +282,172 @@ static inline __attribute__((always_inline)) void tile(const float *x, int64_t l
     __m256 acc[4][4];
     for (int m = 0; m < MB; m++)
       for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();
-    for (int64_t k = g * group; k < (g + 1) * group; k += step) {
+    /* INT4: 8 bytes at byte offset o hold activations (in the order above) o' and o' + 32 of its run of
+     * 64, o' = o mod 32 + 64 * (o / 32); INT8: 8 weights at column o */
+    for (int64_t o = g * group * bits / 8; o < (g + 1) * group * bits / 8; o += 8) {
       __m256 lo[4], hi[4];
       for (int r = 0; r < R; r++) {
-        const __m128i bytes = _mm_loadl_epi64((const __m128i *)(w + r * row_bytes + k * BITS / 8));
-        if (BITS == 4) {
-          const __m256i v = _mm256_cvtepu8_epi32(bytes);
+        if (o % 64 == 0) prefetch(w + (r + R) * row_bytes + o); /* the next tile's row */
+        if (bits == 4) {
+          const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + r * row_bytes + o)));
           lo[r] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_and_si256(v, low4), magic)), bias);
           hi[r] = _mm256_sub_ps(_mm256_castsi256_ps(_mm256_or_si256(_mm256_srli_epi32(v, 4), magic)), bias);
         } else {
-          lo[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+          lo[r] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(load8(w + r * row_bytes + o, row_bytes - o)));
         }
       }
+      const int64_t col = bits == 4 ? (o & 31) + 64 * (o / 32) : o;
       for (int m = 0; m < MB; m++) {
-        const __m256 xl = _mm256_loadu_ps(x + m * ldx + k);
+        const __m256 xl = _mm256_loadu_ps(x + m * ldx + col);
         for (int r = 0; r < R; r++) acc[m][r] = _mm256_fmadd_ps(lo[r], xl, acc[m][r]);
-        if (BITS == 4) {
-          const __m256 xh = _mm256_loadu_ps(x + m * ldx + k + 8);
+        if (bits == 4) {
+          const __m256 xh = _mm256_loadu_ps(x + m * ldx + col + 32);
           for (int r = 0; r < R; r++) acc[m][r] = _mm256_fmadd_ps(hi[r], xh, acc[m][r]);
         }
       }
     }
     for (int r = 0; r < R; r++) {
-      const __m256 scale = _mm256_set1_ps(s[r * groups + g]);
+      const __m256 scale = _mm256_broadcast_ss(s + r * groups + g);
       for (int m = 0; m < MB; m++) total[m][r] = _mm256_fmadd_ps(acc[m][r], scale, total[m][r]);
     }
   }
   for (int m = 0; m < MB; m++)
-    for (int r = 0; r < R; r++) {
-      __m128 h = _mm_add_ps(_mm256_castps256_ps128(total[m][r]), _mm256_extractf128_ps(total[m][r], 1));
-      h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-      h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      out[m * ldo + r] = _mm_cvtss_f32(h);
-    }
+    for (int r = 0; r < R; r++) res[m * R + r] = hsum(total[m][r]);
 }
 
-typedef void (*tile_fn)(const float *, int64_t, const uint8_t *, const float *, float *, int64_t, int64_t, int64_t);
-#define TILE(BITS, R, MB)                                                                                      \
-  static void tile_##BITS##_##R##_##MB(const float *x, int64_t ldx, const uint8_t *w, const float *s, float *out, \
-                                       int64_t ldo, int64_t kp, int64_t group) {                               \
-    tile(x, ldx, w, s, out, ldo, kp, group, BITS, R, MB);                                                      \
+/* ---- one call ---- */
+
+typedef struct {
+  int64_t M, N, K, kpad, row_bytes, ldo;
+  int bits, mode, otype, btype;
+  const uint8_t *w, *acts; /* acts: integer rows [M][l.stride] or fp32 rows [M][kpad] (EXACT) */
+  const float *s;
+  const void *bias;
+  void *out;
+  qlayout l;
+} problem;
+
+/* A tile of R rows from row n for MB activation rows; one function per (kind, R, MB). */
+typedef void (*tile_fn)(const problem *, const uint8_t *acts, int64_t n, float *res);
+#define TILE(NAME, R, MB, CALL) \
+  static void NAME##_##R##_##MB(const problem *p, const uint8_t *acts, int64_t n, float *res) { CALL; }
+#define W(p, n) ((p)->w + (n) * (p)->row_bytes)
+#define Q4(R, MB) TILE(int4_int8, R, MB, tile_int4_int8(acts, p->l, W(p, n), p->row_bytes, p->s + n * p->l.blocks, res, R, MB))
+#define Q8(R, MB) TILE(int8_int16, R, MB, tile_int8_int16(acts, p->l, W(p, n), p->row_bytes, p->s + n, res, R, MB))
+#define EX(B, R, MB)                                                                                               \
+  TILE(exact##B, R, MB,                                                                                            \
+       tile_exact((const float *)acts, p->kpad, W(p, n), p->row_bytes, p->s + n * (B == 4 ? p->kpad / GROUP : 1), \
+                  p->kpad, B, res, R, MB))
+/* Rows per tile for MB = 1..4 (accumulators, decoded weights and temporaries in 16 registers), and the
+ * one-row tiles for N's tail. */
+Q4(4, 1) Q4(2, 2) Q4(1, 1) Q4(1, 2) Q4(1, 3) Q4(1, 4)
+Q8(8, 1) Q8(4, 2) Q8(2, 3) Q8(2, 4) Q8(1, 1) Q8(1, 2) Q8(1, 3) Q8(1, 4)
+EX(4, 4, 1) EX(4, 2, 2) EX(4, 2, 3) EX(4, 2, 4) EX(4, 1, 1) EX(4, 1, 2) EX(4, 1, 3) EX(4, 1, 4)
+EX(8, 4, 1) EX(8, 2, 2) EX(8, 2, 3) EX(8, 2, 4) EX(8, 1, 1) EX(8, 1, 2) EX(8, 1, 3) EX(8, 1, 4)
+
+typedef struct {
+  tile_fn wide[4], one[4]; /* by MB - 1 */
+  int rows[4];
+} tiles;
+static const tiles INT4_INT8 = {{int4_int8_4_1, int4_int8_2_2, int4_int8_1_3, int4_int8_1_4},
+                                {int4_int8_1_1, int4_int8_1_2, int4_int8_1_3, int4_int8_1_4}, {4, 2, 1, 1}};
+static const tiles INT8_INT16 = {{int8_int16_8_1, int8_int16_4_2, int8_int16_2_3, int8_int16_2_4},
+                                 {int8_int16_1_1, int8_int16_1_2, int8_int16_1_3, int8_int16_1_4}, {8, 4, 2, 2}};
+static const tiles EXACT4 = {{exact4_4_1, exact4_2_2, exact4_2_3, exact4_2_4},
+                             {exact4_1_1, exact4_1_2, exact4_1_3, exact4_1_4}, {4, 2, 2, 2}};
+static const tiles EXACT8 = {{exact8_4_1, exact8_2_2, exact8_2_3, exact8_2_4},
+                             {exact8_1_1, exact8_1_2, exact8_1_3, exact8_1_4}, {4, 2, 2, 2}};
+
+INLINE void store(void *out, int type, int64_t i, float f) {
+  if (type == F32) {
+    ((float *)out)[i] = f;
+  } else if (type == F16) {
+    ((uint16_t *)out)[i] = _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+  } else { /* bf16, rounded to nearest even; a NaN stays a (quiet) NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u & 0x7FFFFFFF) > 0x7F800000 ? (u | 0x00400000) : u + 0x7FFF + ((u >> 16) & 1);
+    ((uint16_t *)out)[i] = (uint16_t)(u >> 16);
   }
-#define TILES(BITS)                                                                                    \
-  TILE(BITS, 4, 1) TILE(BITS, 2, 2) TILE(BITS, 2, 3) TILE(BITS, 2, 4) TILE(BITS, 1, 1) TILE(BITS, 1, 2) \
-  TILE(BITS, 1, 3) TILE(BITS, 1, 4)                                                                    \
-  /* Indexed by MB - 1: the widest tile for MB rows of x, and the one-row tile for N's tail. */         \
-  static const tile_fn WIDE_##BITS[4] = {tile_##BITS##_4_1, tile_##BITS##_2_2, tile_##BITS##_2_3, tile_##BITS##_2_4}; \
-  static const tile_fn ONE_##BITS[4] = {tile_##BITS##_1_1, tile_##BITS##_1_2, tile_##BITS##_1_3, tile_##BITS##_1_4};
-TILES(4)
-TILES(8)
-static const int WIDE_ROWS[4] = {4, 2, 2, 2};
+}
 
-static void linear(const float *x, const uint8_t *w, const float *s, float *out, int64_t M, int64_t N, int64_t kp,
-                   int64_t group, int bits, int threads) {
-  const int64_t groups = kp / group, row_bytes = kp * bits / 8, blocks = (N + 3) / 4;
-  const tile_fn *wide = bits == 4 ? WIDE_4 : WIDE_8, *one = bits == 4 ? ONE_4 : ONE_8;
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t b = 0; b < blocks; b++) {
-    const int64_t n0 = b * 4, n1 = N - n0 < 4 ? N : n0 + 4;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int mb = M - m < 4 ? (int)(M - m) : 4, step = WIDE_ROWS[mb - 1];
-      int64_t n = n0;
-      for (; n + step <= n1; n += step)
-        wide[mb - 1](x + m * kp, kp, w + n * row_bytes, s + n * groups, out + m * N + n, N, kp, group);
-      for (; n < n1; n++) one[mb - 1](x + m * kp, kp, w + n * row_bytes, s + n * groups, out + m * N + n, N, kp, group);
+static void rows(const problem *p, int64_t n0, int64_t n1) {
+  const tiles *t = p->mode == INT8 ? &INT4_INT8 : p->mode == INT16 ? &INT8_INT16 : p->bits == 4 ? &EXACT4 : &EXACT8;
+  const int64_t act_stride = p->mode == EXACT ? p->kpad * 4 : p->l.stride;
+  float res[32];
+  for (int64_t nb = n0; nb < n1; nb += 8) { /* 8 weight rows at a time: in cache while M repeats them */
+    const int64_t ne = nb + 8 < n1 ? nb + 8 : n1;
+    for (int64_t m = 0; m < p->M; m += 4) {
+      const int mb = p->M - m < 4 ? (int)(p->M - m) : 4, step = t->rows[mb - 1];
+      const uint8_t *acts = p->acts + m * act_stride;
+      for (int64_t n = nb; n < ne;) {
+        const int r = n + step <= ne ? step : 1;
+        (r == step ? t->wide : t->one)[mb - 1](p, acts, n, res);
+        for (int i = 0; i < mb; i++)
+          for (int j = 0; j < r; j++) {
+            const float b = p->bias ? to_f32(p->bias, p->btype, n + j) : 0.0f;
+            store(p->out, p->otype, (m + i) * p->ldo + n + j, res[i * r + j] + b);
+          }
+        n += r;
+      }
     }
   }
 }
 
-/* INT4: w [N, kp / 2] split16 bytes, s [N, kp / 128]; kp a multiple of 128. */
-void qp_int4_linear(const float *x, const uint8_t *w, const float *s, float *out, int64_t M, int64_t N, int64_t kp,
-                    int threads) {
-  linear(x, w, s, out, M, N, kp, 128, 4, threads);
+/* Scratch for the rearranged activations: a per-thread buffer kept between calls (decode sizes), or a
+ * fresh allocation for larger ones. */
+#define KEEP_BYTES (1 << 20)
+static __thread uint8_t *kept;
+
+static uint8_t *scratch(size_t bytes, int *fresh) {
+  *fresh = bytes > KEEP_BYTES;
+  if (*fresh) return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+  if (kept == NULL) kept = aligned_alloc(64, KEEP_BYTES);
+  return kept;
 }
 
-/* INT8: w [N, kp] int8, s [N]; kp a multiple of 8. */
-void qp_int8_linear(const float *x, const int8_t *w, const float *s, float *out, int64_t M, int64_t N, int64_t kp,
-                    int threads) {
-  linear(x, (const uint8_t *)w, s, out, M, N, kp, kp, 8, threads);
+/* Bytes of scratch a call needs: fp32 rows [M][kpad] (EXACT), or integer rows [M][l.stride] then the one
+ * fp32 row they are made from. */
+int64_t qp_scratch_bytes(int64_t M, int64_t kp, int bits, int mode) {
+  const int64_t kpad = padded_k(kp, bits, mode);
+  return mode == EXACT ? M * kpad * 4 : M * layout(kpad, mode).stride + kpad * 4;
+}
+
+/* x [M, K] (row stride ldx elements, `xtype`) @ w.T -> out [M, N] (row stride ldo, `otype`), + bias [N]
+ * (`btype`), or no bias if NULL. kp: the weights' columns (INT4: the data's columns x 2, a multiple of
+ * 128), K <= kp. Returns 0; -1 if the scratch could not be allocated; -2 for a mode the format lacks. */
+int qp_linear(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const uint8_t *w, const float *s,
+              int64_t N, int64_t kp, int bits, const void *bias, int btype, void *out, int64_t ldo, int otype,
+              int mode, int threads) {
+  if (mode != EXACT && mode != (bits == 4 ? INT8 : INT16)) return -2;
+  problem p = {.M = M, .N = N, .K = K, .row_bytes = bits == 4 ? kp / 2 : kp, .ldo = ldo, .bits = bits,
+               .mode = mode, .otype = otype, .btype = btype, .w = w, .s = s, .bias = bias,
+               .out = out};
+  p.kpad = padded_k(kp, bits, p.mode);
+  p.l = layout(p.kpad, p.mode);
+  int fresh;
+  uint8_t *buf = scratch((size_t)qp_scratch_bytes(M, kp, bits, mode), &fresh);
+  if (buf == NULL) return -1;
+  const size_t fp32_row = (size_t)p.kpad * 4, integers = p.mode == EXACT ? 0 : (size_t)M * p.l.stride;
+  for (int64_t m = 0; m < M; m++) {
+    float *xf = (float *)(buf + (p.mode == EXACT ? m * fp32_row : integers));
+    row_to_f32((const uint8_t *)x + m * ldx * (xtype == F32 ? 4 : 2), xtype, K, xf, p.kpad, bits == 4);
+    if (p.mode != EXACT) quantize_row(xf, p.mode, buf + m * p.l.stride, p.l);
+  }
+  p.acts = buf;
+  const int64_t units = (N + ROW_ALIGN - 1) / ROW_ALIGN, rows_per_thread = MIN_WEIGHTS_PER_THREAD / p.kpad + 1;
+  const int64_t most = N / rows_per_thread < units ? N / rows_per_thread : units;
+  if (threads > most) threads = most > 1 ? (int)most : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    int t = 0, nt = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    const int64_t n0 = units * t / nt * ROW_ALIGN, n1 = units * (t + 1) / nt * ROW_ALIGN;
+    rows(&p, n0, n1 < N ? n1 : N);
+  }
+  if (fresh) free(buf);
+  return 0;
 }

@@ -26,7 +26,7 @@ from ..reference import ACTIVATIONS
 from .scheme import GemmScheme, activation_scheme, gemm_scheme
 
 Tensor = torch.Tensor  # module level: the triton_op annotations below are resolved here
-DEVICES = "cuda sm80+ (FP8 data sm89+; MX native on sm100, emulated below); cpu under TRITON_INTERPRET=1 (tests)"
+DEVICES = "cuda sm80+ (FP8 data sm89+; MX x MX native on sm100 in 128-row tiles, emulated otherwise); cpu under TRITON_INTERPRET=1 (tests)"
 KINDS = ("linear", "moe")
 
 
@@ -54,9 +54,27 @@ def supports(kind, capability, weight: QuantKey, activation: QuantKey | None, pr
         return False, f"needs SM80+ (bf16 tensor cores); this is sm{sm}"
     if _has_e4m3(scheme) and sm < 89:
         return False, f"FP8 e4m3 data needs SM89+ (Triton has no e4m3 type on sm{sm})"
-    if scheme.mode == "dot_scaled" and sm < 100:
-        return True, f"tl.dot_scaled, emulated on sm{sm} (Triton upcasts MX operands to bf16; native on SM100)"
+    if scheme.mode == "dot_scaled":
+        return True, _dot_scaled_path(scheme, sm, getattr(problem, "m", None))
     return True, f"Triton {scheme.mode} GEMM ({scheme.name})"
+
+
+# Where tl.dot_scaled runs natively (compile-only check with triton 3.6 and 3.9, tests/test_triton_aot.py):
+# SM100's block-scaled MMA takes FP8/FP6/FP4 on both sides and 128-row tiles; anything else is
+# decomposed by Triton into an upcast to bf16 and a bf16 MMA.
+NATIVE_MX_MIN_SM = 100
+NATIVE_MX_BLOCK_M = 128
+
+
+def _dot_scaled_path(scheme: GemmScheme, sm: int, m: int | None) -> str:
+    """The oracle's reason for an MX pair; "emulated: ..." where Triton upcasts (oracle.EMULATED)."""
+    if sm < NATIVE_MX_MIN_SM:
+        return f"emulated: tl.dot_scaled on sm{sm} upcasts the MX operands to bf16 (native MX MMAs need SM100)"
+    if scheme.a_format == "float":
+        return f"emulated: MX weights x float activations on sm{sm}: the weight is upcast to bf16 (SM100's MX MMAs take FP8/FP6/FP4 operands only)"  # fmt: skip
+    if m is not None and m < NATIVE_MX_BLOCK_M:
+        return f"emulated: M={m} on sm{sm}: native MX MMAs need {NATIVE_MX_BLOCK_M}-row tiles, smaller ones are upcast to bf16"
+    return f"Triton tl.dot_scaled GEMM ({scheme.name}): native MX MMA on sm{sm} in {NATIVE_MX_BLOCK_M}-row tiles (decode tiles upcast to bf16)"
 
 
 def _has_e4m3(scheme: GemmScheme) -> bool:

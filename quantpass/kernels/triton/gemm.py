@@ -21,6 +21,9 @@ row is `pair // TOP_K`, C's row is the pair. Row and expert offsets are int64: `
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -31,7 +34,10 @@ from ...quant_registry.qtensor import QTensor
 from ..reference import ACTIVATIONS, GATE_UP_LAYOUTS
 from . import tuning
 from .elements import e2m1_to_float, to_output, unpack_nibbles
+from .scheme import FP8_PROMOTE_K as _FP8_PROMOTE_K
 from .scheme import GemmScheme, gemm_scheme
+
+FP8_PROMOTE_K = tl.constexpr(_FP8_PROMOTE_K)  # a global a compiled kernel reads must be a constexpr
 
 
 @triton.jit
@@ -66,6 +72,7 @@ def _gemm_kernel(
     stride_biase,
     stride_cm,
     stride_cn,
+    stride_ck,  # split-K: C is a [SPLIT_K, M, N] fp32 workspace, one slice per K range (summed by the launcher)
     alpha,  # swigluoai
     limit,
     A_FORMAT: tl.constexpr,
@@ -85,6 +92,8 @@ def _gemm_kernel(
     GATE_UP_LAYOUT: tl.constexpr,  # "concat": B = [gate; up]; "interleaved": gate rows even, up rows odd
     DOT_FORMAT: tl.constexpr,  # dot_scaled's A format ("e4m3", "bf16", "fp16"); dequant: "fp32" or A's type
     EXACT: tl.constexpr,  # interpreter: round the output cast by hand (elements.py)
+    FP32_PRECISION: tl.constexpr,  # fp32 x fp32 dots (dequant of fp32 activations): "ieee" or "tf32", torch's setting
+    SPLIT_K: tl.constexpr,  # programs along K (decode): grid axis 1; 1 = the whole K in one program
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -110,13 +119,16 @@ def _gemm_kernel(
     else:
         offs_n = offs_out
         n_mask = offs_out < N
+    # int64 before any product with a stride: B's row offset n * K passes 2^31 at N * K >= 2^31 (an output
+    # head of 262k x 8192), and so do the scale offsets of wide weights.
+    offs_n = offs_n.to(tl.int64)
     if ROUTED:
         if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
             return
         rows = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_mask = rows < M
         expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
-        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_out[None, :] * stride_cn
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_out[None, :].to(tl.int64) * stride_cn
         c_mask = row_mask[:, None] & (offs_out[None, :] < N)
         if expert == -1:  # not a local expert: its pairs contribute zeros (expert parallelism)
             tl.store(c_ptrs, tl.zeros((BLOCK_M, OUT_N), dtype=c_ptr.dtype.element_ty), mask=c_mask)
@@ -126,15 +138,25 @@ def _gemm_kernel(
         rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
         row_mask = rows < M
         expert = 0
-        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_out[None, :] * stride_cn
+        c_ptrs = c_ptr + rows[:, None] * stride_cm + offs_out[None, :].to(tl.int64) * stride_cn
         c_mask = row_mask[:, None] & (offs_out[None, :] < N)
         a_rows = rows
     a_ptrs = a_ptr + a_rows[:, None] * stride_am
     b_base = b_ptr + expert * stride_be
     b_scale_base = b_scale_ptr + expert * stride_bse
 
+    # Split-K (decode): program pid_k walks its own whole BLOCK_K steps of K; its C is slice pid_k.
+    pid_k = tl.program_id(1)
+    k_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K) * BLOCK_K
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    c_ptrs += pid_k.to(tl.int64) * stride_ck
+    # FP8 accumulation policy (scheme.FP8_PROMOTE_K): partial sums move from the tensor cores' FP8
+    # accumulator into the fp32 one at least every 128 K (sm90's default is never, over all of K).
+    PROMOTE_K: tl.constexpr = FP8_PROMOTE_K if BLOCK_K > FP8_PROMOTE_K else BLOCK_K
+
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32 if A_FORMAT == "int8" else tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptrs + offs_k[None, :] * stride_ak, mask=row_mask[:, None] & (offs_k[None, :] < K_A), other=0.0)
         if B_FORMAT == "int4" or B_FORMAT == "e2m1":  # [BLOCK_K / 2, BLOCK_N] bytes
@@ -156,6 +178,7 @@ def _gemm_kernel(
             acc = tl.dot_scaled(a, a_s, DOT_FORMAT, b, b_s, "e2m1" if B_FORMAT == "e2m1" else "e4m3", acc)
         elif MODE == "dot":
             if A_SCALE == "group" or B_SCALE == "block":  # this K step's scales, on its partial product
+                # (a fresh accumulator per step: FP8 partial sums reach fp32 every BLOCK_K <= 128)
                 step = tl.dot(a, b).to(tl.float32)
                 if A_SCALE == "group":
                     a_s = tl.load(a_scale_ptr + a_rows * stride_asm + (k0 // A_GROUP_K) * stride_ask, mask=row_mask)
@@ -164,8 +187,9 @@ def _gemm_kernel(
                     b_scale_ptrs = b_scale_base + (offs_n // B_GROUP_N) * stride_bsn + (k0 // B_GROUP_K) * stride_bsk
                     step = step * tl.load(b_scale_ptrs, mask=n_mask)[None, :]
                 acc += step
-            else:
-                # fp8: fp32 accumulator; int8: int32 (Triton 3.6 wants out_dtype to say so; found by triton_aot.py)
+            elif A_FORMAT == "fp8":
+                acc = tl.dot(a, b, acc, max_num_imprecise_acc=PROMOTE_K)
+            else:  # int8: int32 accumulation (Triton 3.6 wants out_dtype to say so; found by triton_aot.py)
                 acc = tl.dot(a, b, acc, out_dtype=acc.dtype)
         else:  # dequant: decode B's tile to fp32, apply its K-group scales, then an ordinary dot
             if B_FORMAT == "int4":
@@ -185,7 +209,7 @@ def _gemm_kernel(
                 w = tl.reshape(w, (STEP_GROUPS, BLOCK_K // STEP_GROUPS, BLOCK_N)) * scales[:, None, :]
                 w = tl.reshape(w, (BLOCK_K, BLOCK_N))
             if DOT_FORMAT == "fp32":  # fp32 activations, or the interpreter (its bf16 dot is broken)
-                acc = tl.dot(a.to(tl.float32), w, acc)
+                acc = tl.dot(a.to(tl.float32), w, acc, input_precision=FP32_PRECISION)
             else:
                 acc = tl.dot(a, w.to(a.dtype), acc)
 
@@ -196,8 +220,9 @@ def _gemm_kernel(
         acc = acc * tl.load(b_scale_base + offs_n * stride_bsn, mask=n_mask, other=0.0)[None, :]
     if HAS_SCALE2:
         acc = acc * tl.load(b_scale2_ptr + expert * stride_bs2e)
-    if HAS_BIAS:
-        acc = acc + tl.load(bias_ptr + expert * stride_biase + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    if HAS_BIAS:  # split-K: once, in slice 0
+        bias = tl.load(bias_ptr + expert * stride_biase + offs_n, mask=n_mask, other=0.0).to(tl.float32)
+        acc = acc + bias[None, :] * (pid_k == 0).to(tl.float32)
     if MUL_ROUTER_WEIGHT:  # after the bias, as the reference does: y = (x @ w2^T + b2) * weight
         acc = acc * tl.load(router_weights_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[:, None]
     if ACTIVATION != "none":  # [BM, gate | up] -> act(gate) * up, in fp32 as the reference
@@ -235,6 +260,7 @@ def quantized_matmul(
     alpha: float = 1.702,
     limit: float = 7.0,
     config: dict | None = None,
+    split_k: int | None = None,
 ) -> torch.Tensor:
     """a [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in `out_dtype` (default: a's float dtype).
 
@@ -245,16 +271,157 @@ def quantized_matmul(
     (MoE GEMM1) fuses the gated activation into the epilogue: the weight's N rows are gate and up
     projections in `gate_up_layout` and the result has N / 2 columns. `config`
     (BLOCK_M/N/K, GROUP_M, num_warps, num_stages) is required when routed (BLOCK_M = the routing's).
+    `split_k` (dense only) splits K over that many programs, summed in fp32 after the kernel;
+    default `tuning.split_k` (decode shapes on CUDA).
     """
     a_data, a_scale, a_key = (a.data, a.scale, a.key) if isinstance(a, QTensor) else (a, None, None)
+    routed = routing is not None
+    out_dtype = out_dtype or (a.dtype if isinstance(a, QTensor) else a_data.dtype)
+    top_k = int(routing.num_pairs // max(a_data.shape[0], 1)) if routed else 1  # a constexpr: a plain int
+    plan = _plan(weight, a_key, a_data, out_dtype, bias, routed, top_k, router_weights is not None, activation, gate_up_layout)  # fmt: skip
+    n, k = plan.n, plan.k
+    a_cols = a.shape[-1] if isinstance(a, QTensor) else a_data.shape[-1]
+    if a_data.dim() != 2:
+        raise ValueError(f"the GEMM wants a 2-D A, got {tuple(a_data.shape)}")
+    if a_cols != k:
+        raise ValueError(f"A has K={a_cols} but the weight {tuple(weight.shape)} has K={k}")
+    if a_data.device != weight.data.device:
+        raise ValueError(f"A is on {a_data.device}, the weight on {weight.data.device}")
+    if plan.a_to_bf16:
+        a_data = a_data.to(torch.bfloat16)  # dot_scaled takes bf16/fp16 beside MX operands
+    if bias is not None and tuple(bias.shape) != plan.bias_shape:
+        raise ValueError(f"bias of shape {tuple(bias.shape)}, expected {plan.bias_shape}")
+    rows = routing.num_pairs if routed else a_data.shape[0]
+    interpret = plan.flags["EXACT"]
+    if routed:
+        if config is None or config["BLOCK_M"] != routing.block_m:
+            raise ValueError("a routed GEMM needs a config whose BLOCK_M is the routing's block_m")
+        if rows % max(a_data.shape[0], 1):
+            raise ValueError(f"{rows} pairs is not a multiple of A's {a_data.shape[0]} rows")
+        em, index, split = routing.sorted_ids.numel(), (routing.sorted_ids, routing.expert_ids, routing.num_padded), 1
+    else:
+        em, split = rows, split_k
+        if split is None:  # the heuristic is for CUDA; the interpreter splits only when asked (tests)
+            split = 1 if interpret or activation else tuning.split_k(rows, n, plan.data_k, a_data.device)
+    if split > 1 and (routed or activation):
+        raise ValueError("split-K is for dense GEMMs without a fused activation")
+    if split > 1:  # fp32 partial products, one slice per K range, summed below
+        c = torch.empty((split, rows, n), dtype=torch.float32, device=a_data.device)
+    else:
+        c = torch.empty((rows, n), dtype=out_dtype, device=a_data.device)
+    if rows == 0 or n == 0:
+        return c.sum(0).to(out_dtype) if split > 1 else c
+    if not routed:
+        index = (c, c, c)  # unused pointers (never read when not ROUTED)
+    if router_weights is not None:
+        router_weights = router_weights.reshape(-1)
+        if router_weights.numel() != rows:
+            raise ValueError(f"{router_weights.numel()} router weights for {rows} token-expert pairs")
+        router_weights = router_weights.contiguous()
+    if bias is not None and bias.stride(-1) != 1:
+        bias = bias.contiguous()
+    a_strides = (a_data.stride(0), a_data.stride(1), *_scale_strides(a_scale)[1:]) if a_scale is not None else (a_data.stride(0), a_data.stride(1), 0, 0)  # fmt: skip
+    args = (
+        a_data,
+        a_scale if a_scale is not None else a_data,
+        weight.data,
+        weight.scale,
+        weight.scale2 if weight.scale2 is not None else weight.scale,
+        bias if bias is not None else c,
+        c,
+        *index,
+        router_weights if router_weights is not None else c,
+        rows,
+        n,
+        plan.data_k,
+        a_data.shape[1],
+        em,
+        *a_strides,
+        *plan.weight_strides,
+        bias.stride(0) if routed and bias is not None else 0,
+        c.stride(-2),
+        c.stride(-1),
+        c.stride(0) if split > 1 else 0,
+        float(alpha),
+        float(limit),
+    )
+    flags = {**plan.flags, "SPLIT_K": split}
+    gated = 1 if activation is None else 2  # gated: a program's BLOCK_N B rows make BLOCK_N / 2 outputs
+    if config is None and not interpret:  # dense on CUDA: autotuned once per shape, then launched directly
+        tune_key = (plan.scheme, n, plan.data_k, tuning.m_bucket(rows), split, a_data.dtype, c.dtype)
+        config = tuning.TUNED.get(tune_key)
+        if config is None:
+            kernel = tuning.autotuned(_gemm_kernel, *tune_key[:5])
+            grid = lambda meta: (_cdiv(em, meta["BLOCK_M"]) * _cdiv(n, meta["BLOCK_N"] // gated), split)  # noqa: E731
+            wrap_triton(kernel)[grid](*args, **flags)
+            tuning.remember(tune_key, kernel)
+            return c.sum(0).to(out_dtype) if split > 1 else c
+    else:
+        config = tuning.fit_block_k(dict(config or tuning.interpreter_config(rows, n)), plan.scheme)
+        keep = tuning.META if interpret else (*tuning.META, *tuning.LAUNCH)  # the interpreter takes no launch options
+        config = {key: config[key] for key in keep if key in config}
+    grid = (_cdiv(em, config["BLOCK_M"]) * _cdiv(n, config["BLOCK_N"] // gated), split)
+    wrap_triton(_gemm_kernel)[grid](*args, **flags, **config)
+    return c.sum(0).to(out_dtype) if split > 1 else c
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # triton.cdiv unwraps constexprs: ~10x the cost, per launch
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What a call needs that depends on the weight and the call's options but not on its rows."""
+
+    scheme: GemmScheme
+    n: int  # C's columns (gated: half the weight's rows)
+    k: int  # logical K (A's columns)
+    data_k: int  # K in elements of the stored data (padded to the group)
+    weight_strides: tuple[int, ...]  # B's (e, n, k), its scale's (e, n, k), scale2's e
+    bias_shape: tuple[int, ...]
+    flags: dict  # every constexpr but SPLIT_K and the launch config
+    a_to_bf16: bool
+
+
+# Per weight (its data tensor, by identity and weakly: a freed weight frees its plans), per call
+# options: the plan. Decode on a GPU is a ~10 us kernel; rebuilding the scheme, flags and strides
+# on every call cost ~60 us of Python (measured on this repo's CPU with the launch stubbed out).
+_PLANS: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _plans_of(tensor: torch.Tensor) -> dict:
+    entry = _PLANS.get(id(tensor))
+    if entry is None or entry[0]() is not tensor:
+        key = id(tensor)
+        entry = _PLANS[key] = (weakref.ref(tensor, lambda _, key=key: _PLANS.pop(key, None)), {})
+    return entry[1]
+
+
+def _plan(weight, a_key, a_data, out_dtype, bias, routed, top_k, router, activation, gate_up_layout) -> _Plan:
+    interpret = envs.triton_interpret()
+    options = (weight.key, a_key, weight.scale.shape, weight.scale.stride(), weight.scale2 is None, a_data.dtype,
+               out_dtype, None if bias is None else bias.dtype, routed, top_k, router, activation, gate_up_layout,
+               interpret, torch.get_float32_matmul_precision())  # fmt: skip
+    plans = _plans_of(weight.data)
+    plan = plans.get(options)
+    if plan is None:
+        if len(plans) > 64:  # options vary without bound only if misused; never grow forever
+            plans.clear()
+        plan = plans[options] = _make_plan(weight, a_key, a_data, out_dtype, bias, routed, top_k, router, activation, gate_up_layout, interpret)  # fmt: skip
+    return plan
+
+
+def _make_plan(weight, a_key, a_data, out_dtype, bias, routed, top_k, router, activation, gate_up_layout, interpret) -> _Plan:  # fmt: skip
     scheme = gemm_scheme(weight.key, a_key)
     if isinstance(scheme, str):
         raise ValueError(scheme)
-    routed = routing is not None
     batch = 1 if routed else 0
-    if weight.data.dim() != 2 + batch or a_data.dim() != 2:
-        raise ValueError(f"{'routed' if routed else 'dense'} GEMM wants a 2-D A and a {2 + batch}-D weight")
+    if weight.data.dim() != 2 + batch:
+        raise ValueError(
+            f"{'routed' if routed else 'dense'} GEMM wants a {2 + batch}-D weight, got {tuple(weight.shape)}"
+        )
     n, k = weight.shape[-2], weight.shape[-1]
+    weight_rows = n
     if activation is not None:
         if activation not in ACTIVATIONS or gate_up_layout not in GATE_UP_LAYOUTS:
             raise ValueError(
@@ -264,35 +431,15 @@ def quantized_matmul(
         if n % 2:
             raise ValueError(f"a gated GEMM needs an even number of weight rows (gate and up), got {n}")
         n //= 2
-    a_cols = a.shape[-1] if isinstance(a, QTensor) else a_data.shape[-1]
-    if a_cols != k:
-        raise ValueError(f"A has K={a_cols} but the weight {tuple(weight.shape)} has K={k}")
-    out_dtype = out_dtype or (a.dtype if isinstance(a, QTensor) else a_data.dtype)
-    _check_operands(scheme, a_data, weight, bias, n * (2 if activation else 1), routed)
-    if scheme.mode == "dot_scaled" and a_data.dtype == torch.float32:
-        a_data = a_data.to(torch.bfloat16)  # dot_scaled takes bf16/fp16 beside MX operands
-    data_k = weight.data.shape[-1] * (2 if scheme.b_format in ("int4", "e2m1") else 1)
-    rows = routing.num_pairs if routed else a_data.shape[0]
-    c = torch.empty((rows, n), dtype=out_dtype, device=a_data.device)
-    if rows == 0 or n == 0:
-        return c
-    interpret = envs.triton_interpret()
-    if routed:
-        if config is None or config["BLOCK_M"] != routing.block_m:
-            raise ValueError("a routed GEMM needs a config whose BLOCK_M is the routing's block_m")
-        if rows % a_data.shape[0]:
-            raise ValueError(f"{rows} pairs is not a multiple of A's {a_data.shape[0]} rows")
-        em, top_k = routing.sorted_ids.numel(), rows // a_data.shape[0]
-        index = (routing.sorted_ids, routing.expert_ids, routing.num_padded)
-    else:
-        em, top_k, index = rows, 1, (c, c, c)  # unused pointers (never read when not ROUTED)
-    if router_weights is not None:
-        router_weights = router_weights.reshape(-1).contiguous()
-        if router_weights.numel() != rows:
-            raise ValueError(f"{router_weights.numel()} router weights for {rows} token-expert pairs")
-    if bias is not None and bias.stride(-1) != 1:
-        bias = bias.contiguous()
-    b_scale2 = weight.scale2 if weight.scale2 is not None else weight.scale
+    _check_operands(scheme, a_data, weight, bias)
+    dot_scaled_fp32 = scheme.mode == "dot_scaled" and a_data.dtype == torch.float32
+    weight_strides = (
+        weight.data.stride(0) if routed else 0,
+        weight.data.stride(-2),
+        weight.data.stride(-1),
+        *_scale_strides(weight.scale, batch),
+        weight.scale2.stride(0) if routed and weight.scale2 is not None else 0,
+    )
     flags = dict(
         A_FORMAT=scheme.a_format,
         A_SCALE=scheme.a_scale,
@@ -306,53 +453,22 @@ def quantized_matmul(
         HAS_BIAS=bias is not None,
         ROUTED=routed,
         TOP_K=top_k,
-        MUL_ROUTER_WEIGHT=router_weights is not None,
+        MUL_ROUTER_WEIGHT=router,
         ACTIVATION=activation or "none",
         GATE_UP_LAYOUT=gate_up_layout,
-        DOT_FORMAT=_dot_format(scheme, a_data.dtype, interpret),
+        DOT_FORMAT=_dot_format(scheme, torch.bfloat16 if dot_scaled_fp32 else a_data.dtype, interpret),
         EXACT=interpret,
+        FP32_PRECISION=fp32_precision(interpret),
     )
-    args = (
-        a_data,
-        a_scale if a_scale is not None else a_data,
-        weight.data,
-        weight.scale,
-        b_scale2,
-        bias if bias is not None else c,
-        c,
-        *index,
-        router_weights if router_weights is not None else c,
-        rows,
-        n,
-        data_k,
-        a_data.shape[1],
-        em,
-        a_data.stride(0),
-        a_data.stride(1),
-        *(_scale_strides(a_scale)[1:] if a_scale is not None else (0, 0)),
-        weight.data.stride(0) if routed else 0,
-        weight.data.stride(-2),
-        weight.data.stride(-1),
-        *_scale_strides(weight.scale, batch),
-        weight.scale2.stride(0) if routed and weight.scale2 is not None else 0,
-        bias.stride(0) if routed and bias is not None else 0,
-        c.stride(0),
-        c.stride(1),
-        float(alpha),
-        float(limit),
-    )
-    split = 1 if activation is None else 2  # gated: a program's BLOCK_N B rows make BLOCK_N / 2 outputs
-    if config is None and not interpret:  # dense on CUDA: autotuned over the named configs
-        kernel = tuning.autotuned(_gemm_kernel, scheme, n, data_k, tuning.m_bucket(rows))
-        grid = lambda meta: (triton.cdiv(em, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"] // split),)  # noqa: E731
-        wrap_triton(kernel)[grid](*args, **flags)
-        return c
-    config = tuning.fit_block_k(dict(config or tuning.interpreter_config(rows, n)), scheme)
-    meta = {key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
-    launch = {key: config[key] for key in ("num_warps", "num_stages") if key in config and not interpret}
-    grid = (triton.cdiv(em, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"] // split),)
-    wrap_triton(_gemm_kernel)[grid](*args, **flags, **meta, **launch)
-    return c
+    data_k = weight.data.shape[-1] * (2 if scheme.b_format in ("int4", "e2m1") else 1)
+    bias_shape = (weight.data.shape[0], weight_rows) if routed else (weight_rows,)
+    return _Plan(scheme, n, k, data_k, weight_strides, bias_shape, flags, dot_scaled_fp32)
+
+
+def fp32_precision(interpret: bool) -> str:
+    """How fp32 x fp32 dots run: as torch runs fp32 matmuls. "highest" (torch's default) is IEEE fp32;
+    "high" / "medium" allow TF32 (`torch.set_float32_matmul_precision`). Triton's own default is TF32."""
+    return "ieee" if interpret or torch.get_float32_matmul_precision() == "highest" else "tf32"
 
 
 # What each scheme's operands must hold (formats.py's layout); a mismatch is a caller's bug.
@@ -365,8 +481,8 @@ _DATA_DTYPES = {
 }
 
 
-def _check_operands(scheme, a_data, weight, bias, weight_rows, routed) -> None:
-    """Dtypes, devices and bias shape against the scheme (shapes of A and B are checked by the caller)."""
+def _check_operands(scheme, a_data, weight, bias) -> None:
+    """Dtypes and devices against the scheme (shapes are checked per call)."""
     if a_data.dtype not in _DATA_DTYPES[scheme.a_format]:
         raise ValueError(f"A is {a_data.dtype}; {scheme.a_format} activations are {_DATA_DTYPES[scheme.a_format]}")
     if weight.data.dtype not in _DATA_DTYPES[scheme.b_format]:
@@ -374,9 +490,6 @@ def _check_operands(scheme, a_data, weight, bias, weight_rows, routed) -> None:
     devices = {t.device for t in (a_data, weight.data, weight.scale, bias) if t is not None}
     if len(devices) != 1:
         raise ValueError(f"GEMM operands on several devices: {sorted(map(str, devices))}")
-    want = (weight.data.shape[0], weight_rows) if routed else (weight_rows,)
-    if bias is not None and tuple(bias.shape) != want:
-        raise ValueError(f"bias of shape {tuple(bias.shape)}, expected {want}")
 
 
 def _dot_format(scheme: GemmScheme, a_dtype: torch.dtype, interpret: bool) -> str:

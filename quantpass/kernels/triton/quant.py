@@ -12,6 +12,8 @@ clamped to [-127, 127] (an all-zero group stores byte 0), read from the fp32 bit
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -110,18 +112,17 @@ def _encode(scaled, ELEMENT: tl.constexpr, EXACT: tl.constexpr):
 
 def quantize_activation(x: torch.Tensor, key: QuantKey) -> QTensor:
     """x [M, K] (bf16 / fp16 / fp32) -> QTensor with exactly `formats.quantize(x, key)`'s layout."""
-    scheme = activation_scheme(key)
-    if isinstance(scheme, str):
-        raise ValueError(scheme)
-    element, scale_mode, group = scheme
     if x.dim() != 2 or not x.is_floating_point():
         raise ValueError(f"quantize_activation wants a 2-D float tensor, got {tuple(x.shape)} {x.dtype}")
+    interpret = envs.triton_interpret()
+    element, scale_mode, padded, groups_per_row, block_c, tile = _plan(key, x.shape[1], interpret)
     if x.stride(-1) != 1:
         x = x.contiguous()
     rows, cols = x.shape
-    q = torch.empty((rows, padded_cols(key, cols)), dtype=key.dtype, device=x.device)
+    q = torch.empty((rows, padded), dtype=key.dtype, device=x.device)
+    scale_dtype = torch.uint8 if scale_mode == "mx" else torch.float32
     scale = torch.empty(
-        scale_shape(key, x.shape), dtype=torch.uint8 if scale_mode == "mx" else torch.float32, device=x.device
+        (1, 1) if scale_mode == "tensor" else (rows, groups_per_row), dtype=scale_dtype, device=x.device
     )
     tensor_scale = scale
     if scale_mode == "tensor":  # one global reduction first (torch: the same ops as formats.py)
@@ -129,18 +130,9 @@ def quantize_activation(x: torch.Tensor, key: QuantKey) -> QTensor:
         scale = tensor_scale
     if rows == 0:
         return QTensor(q, scale, None, key, x.shape, x.dtype)
-    interpret = envs.triton_interpret()
-    # Tile size: the interpreter's cost is per program, so up to 64K elements there; on CUDA ~4K
-    # elements per program (memory bound: enough bytes in flight per SM, enough programs per SM).
-    tile = 65536 if interpret else 4096
-    if scale_mode in ("tensor", "row"):
-        block_c = min(triton.next_power_of_2(cols), tile)
-        groups_per_row, segments = 1, rows
-    else:
-        block_c, groups_per_row = group, scale.shape[-1]
-        segments = rows * groups_per_row
-    block_s = min(max(tile // block_c, 1), triton.next_power_of_2(segments))
-    wrap_triton(_quantize_kernel)[(triton.cdiv(segments, block_s),)](
+    segments = rows * groups_per_row  # "tensor" / "row": one segment per row
+    block_s = min(max(tile // block_c, 1), 1 << (segments - 1).bit_length())  # pure-int triton.next_power_of_2
+    wrap_triton(_quantize_kernel)[(-(-segments // block_s),)](
         x,
         q,
         scale,
@@ -158,3 +150,21 @@ def quantize_activation(x: torch.Tensor, key: QuantKey) -> QTensor:
         EXACT=interpret,
     )
     return QTensor(q, scale, None, key, x.shape, x.dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _plan(key: QuantKey, cols: int, interpret: bool) -> tuple[str, str, int, int, int, int]:
+    """(element, scale mode, padded K, groups per row, BLOCK_C, elements per program) for a key and K:
+    built once per (key, K), not per call (decode calls this per token)."""
+    scheme = activation_scheme(key)
+    if isinstance(scheme, str):
+        raise ValueError(scheme)
+    element, scale_mode, group = scheme
+    # Tile size: the interpreter's cost is per program, so up to 64K elements there; on CUDA ~4K
+    # elements per program (memory bound: enough bytes in flight per SM, enough programs per SM).
+    tile = 65536 if interpret else 4096
+    if scale_mode in ("tensor", "row"):
+        block_c, groups_per_row = min(triton.next_power_of_2(cols), tile), 1
+    else:
+        block_c, groups_per_row = group, scale_shape(key, (1, cols))[-1]
+    return element, scale_mode, padded_cols(key, cols), groups_per_row, block_c, tile

