@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-PER_CHANNEL_FORMATS = "fp8_per_channel, int8_weight_only"  # scales span a whole row: no group can straddle
+from .quant_registry.spec import SHORTHANDS
 
 
 def is_dtensor(value) -> bool:
@@ -160,34 +160,48 @@ def _matrix_shape(ref, shape) -> tuple[int, ...]:
 
 
 def _check_param(fqn: str, ref, value, spec, rank: int, world: int) -> list[str]:
-    """The axes (`experts`, `N`, `K`) this parameter is split on; raises where a scale group of a
-    fixed size would straddle a shard boundary."""
+    """The axes (`experts`, `N`, `K`) this parameter is split on; raises ValueError where a scale
+    group of a fixed size (of the weight, or of the activation along K) would straddle a shard
+    boundary, naming the formats whose groups fit this shard."""
     ndim = value.ndim
     local_shape, offset = _local_shape_and_offset(value)
-    row, col = spec.weight.group_shape.row, spec.weight.group_shape.col
     axes = []
     for placement in value.placements:
         if not placement.is_shard():
             continue
+        if type(placement).__name__ != "Shard":  # _StridedShard: FSDP + TP meshes, runs of rows
+            raise ValueError(f"layer {fqn!r}: its weight is sharded as {placement!r}; quantpass supports Shard")
         dim = placement.dim % ndim
         matrix_dim = dim if not ref.transposed or dim < ndim - 2 else (2 * ndim - 3) - dim
         axis = {ndim - 2: "N", ndim - 1: "K"}.get(matrix_dim, "experts")
         axes.append(axis)
-        group = {"N": row, "K": col}.get(axis, -1)
-        if group == -1:
-            continue
-        local, total = int(local_shape[dim]), int(value.shape[dim])
-        pieces = getattr(placement, "split_factor", 1)  # _StridedShard: `pieces` contiguous runs
-        start = int(offset[dim])
-        if pieces > 1:
-            straddles = local % (pieces * group) != 0
-        else:
-            straddles = start % group != 0 or ((start + local) % group != 0 and start + local != total)
-        if straddles:
-            unit = "columns" if axis == "K" else "rows"
+        extent = (int(local_shape[dim]), int(offset[dim]), int(value.shape[dim]))
+        cut = [g for g in _groups(spec.weight, spec.activation, axis) if _cuts(g, *extent)]
+        if cut:
+            fits = [
+                name for name, pair in SHORTHANDS.items() if not any(_cuts(g, *extent) for g in _groups(*pair, axis))
+            ]
             raise ValueError(
-                f"layer {fqn!r}: rank {rank}/{world} holds {axis}={local} of {total} ({placement}), which cuts "
-                f"{spec.name()}'s scale groups of {group} {unit} at a shard boundary; use a parallel size that "
-                f"splits {axis} into multiples of {group}, or a per-channel format ({PER_CHANNEL_FORMATS})"
+                f"layer {fqn!r}: rank {rank}/{world} holds local {axis}={extent[0]} of {extent[2]}, which cuts "
+                f"{spec.name()}'s scale groups of {cut[0]} along {axis} at a shard boundary; valid formats for "
+                f"this shard: {', '.join(fits)} (or a parallel size that splits {axis} into multiples of {cut[0]})"
             )
     return axes
+
+
+def _groups(weight, activation, axis: str) -> list[int]:
+    """The fixed group sizes along `axis` of a weight key and (along K, which the activation
+    shares) its activation key; -1 (the whole extent: the shard's) is left out."""
+    if axis == "N":
+        sizes = [weight.group_shape.row]
+    elif axis == "K":
+        sizes = [weight.group_shape.col, *([activation.group_shape.col] if activation is not None else [])]
+    else:
+        sizes = []
+    return [size for size in sizes if size != -1]
+
+
+def _cuts(group: int, local: int, start: int, total: int) -> bool:
+    """Whether the shard `[start, start + local)` of `total` cuts a group of `group`: a group may
+    end short only at the tensor's end (the padded last group)."""
+    return start % group != 0 or ((start + local) % group != 0 and start + local != total)
