@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 FLOORS = {"int8_weight_only": 0.998, "fp8_per_channel": 0.985, "mxfp8": 0.985}
@@ -66,18 +67,22 @@ def run_ranks(fn, *args, world: int = WORLD, timeout: float = 170.0) -> list:
         return [pickle.loads(Path(out, f"{rank}.pkl").read_bytes()) for rank in range(world)]
 
 
-class LargestTensor(TorchDispatchMode):
-    """The most elements any real (not fake) tensor an op returned had."""
+class Watch(TorchDispatchMode):
+    """What the ops run under it made: the most elements of a real (not fake) tensor, and the
+    shapes of the tensors all-gathered (a gathered weight would be its local shard, or its copy)."""
 
     def __init__(self):
         super().__init__()
-        self.numel = 0
+        self.largest, self.gathered, self.gathers = 0, set(), 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if "all_gather" in str(func):
+            self.gathered.add(tuple(args[0].shape))
+            self.gathers += 1
         for t in torch.utils._pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor) and not isinstance(t, FakeTensor) and t.device.type != "meta":
-                self.numel = max(self.numel, t.numel())
+                self.largest = max(self.largest, t.numel())
         return out
 
 
@@ -87,29 +92,28 @@ def compile_sharded(model, inputs, **options) -> dict:
     from torch.distributed.tensor.debug import CommDebugMode
 
     import quantpass as qp
-    from quantpass.passes.fx_utils import op_counts
 
     backend = qp.backend(lowering="aot_eager", **options)
     seen = {}
 
     def counted(gm, example_inputs):  # quantization runs in here: every real tensor it makes is seen
-        with LargestTensor() as largest, CommDebugMode() as comms:
+        with Watch() as watch, CommDebugMode() as comms:
             compiled = backend(gm, example_inputs)
-        seen.update(largest=largest.numel, collectives=sorted(str(op) for op in comms.get_comm_counts()))
+        gathers = sum(n for op, n in comms.get_comm_counts().items() if "all_gather" in str(op))
+        seen.update(largest=watch.largest, gathered=watch.gathered, watched=watch.gathers, gathers=gathers)
         return compiled
 
     torch._dynamo.reset()
     compiled = torch.compile(model, backend=counted)
     with torch.no_grad():
         out = compiled(*inputs)
-    ((_, after),) = backend.graphs
     return {
         **seen,
         "compiled": compiled,
         "out": out,
         "rows": {row.fqn: (row.format, row.reason) for row in backend.plan.rows},
         "quantized": sum(1 for row in backend.plan.rows if row.backend is not None),
-        "graph_collectives": sorted(name for name in op_counts(after) if "c10d" in name),
+        "shards": [tuple(p.to_local().shape) for p in model.parameters() if isinstance(p, DTensor)],
     }
 
 
@@ -198,15 +202,13 @@ def _tp_case(build: str, formats: list[str], world: int, release_last: bool) -> 
 
 
 def _is_sharded(module) -> bool:
-    from torch.distributed.tensor import DTensor
-
     return isinstance(getattr(module, "weight", None), DTensor)
 
 
 # ----------------------------------------------------------------------------- tests
 
 
-def _check_formats(results: list[dict], formats, expected_quantized: int):
+def _check_formats(results: list[dict], formats, expected_quantized: int, gathers: int | None = 0):
     for rank, result in enumerate(results):
         for fmt in formats:
             run = result[fmt]
@@ -214,8 +216,11 @@ def _check_formats(results: list[dict], formats, expected_quantized: int):
             assert run["cosine"] >= FLOORS[fmt], f"rank {rank} {fmt}: cosine {run['cosine']:.5f} vs unsharded eager"
             assert run["cosine_single"] >= SAME_AS_SINGLE, f"rank {rank} {fmt}: {run['cosine_single']:.5f}"
             assert run["quantized"] == expected_quantized, (fmt, run["rows"])
-            # no weight is ever gathered: no all_gather while compiling or in the graph
-            assert not any("gather" in c for c in run["collectives"] + run["graph_collectives"]), run
+            # no weight is ever gathered, while compiling or in the graph quantpass returns: the
+            # model's own all-gathers (of activations) only, all seen by Watch, none of a shard
+            assert run["gathers"] == run["watched"] and (gathers is None or run["gathers"] == gathers), (fmt, run)
+            shards = {shape for local in run["shards"] for shape in (local, local[::-1])}
+            assert not shards & run["gathered"], (fmt, run["gathered"])
 
 
 def test_tp_mlp_matches_unsharded_and_quantizes_local_shards():
