@@ -164,29 +164,40 @@ def _check_param(fqn: str, ref, value, spec, rank: int, world: int) -> list[str]
     group of a fixed size (of the weight, or of the activation along K) would straddle a shard
     boundary, naming the formats whose groups fit this shard."""
     ndim = value.ndim
-    local_shape, offset = _local_shape_and_offset(value)
+    _, offset = _local_shape_and_offset(value)
     axes = []
     for placement in value.placements:
-        if not placement.is_shard():
+        strided = type(placement).__name__ == "_StridedShard"
+        if not placement.is_shard() and not strided:
             continue
-        if type(placement).__name__ != "Shard":  # _StridedShard: FSDP + TP meshes, runs of rows
-            raise ValueError(f"layer {fqn!r}: its weight is sharded as {placement!r}; quantpass supports Shard")
         dim = placement.dim % ndim
         matrix_dim = dim if not ref.transposed or dim < ndim - 2 else (2 * ndim - 3) - dim
         axis = {ndim - 2: "N", ndim - 1: "K"}.get(matrix_dim, "experts")
         axes.append(axis)
-        extent = (int(local_shape[dim]), int(offset[dim]), int(value.shape[dim]))
-        cut = [g for g in _groups(spec.weight, spec.activation, axis) if _cuts(g, *extent)]
+        local, total = int(local_tensor(value).shape[dim]), int(value.shape[dim])
+        runs = _strided_runs(fqn, value, placement, rank, world) if strided else [(int(offset[dim]), local)]
+        cut = [g for g in _groups(spec.weight, spec.activation, axis) if _cuts(g, runs, total)]
         if cut:
-            fits = [
-                name for name, pair in SHORTHANDS.items() if not any(_cuts(g, *extent) for g in _groups(*pair, axis))
-            ]
+            fits = [n for n, pair in SHORTHANDS.items() if not any(_cuts(g, runs, total) for g in _groups(*pair, axis))]
             raise ValueError(
-                f"layer {fqn!r}: rank {rank}/{world} holds local {axis}={extent[0]} of {extent[2]}, which cuts "
+                f"layer {fqn!r}: rank {rank}/{world} holds local {axis}={local} of {total}, which cuts "
                 f"{spec.name()}'s scale groups of {cut[0]} along {axis} at a shard boundary; valid formats for "
                 f"this shard: {', '.join(fits)} (or a parallel size that splits {axis} into multiples of {cut[0]})"
             )
     return axes
+
+
+def _strided_runs(fqn: str, value, placement, rank: int, world: int) -> list[tuple[int, int]]:
+    """(start, length) of the runs of a `_StridedShard` this rank holds: the dim is cut into
+    `split_factor` pieces (a packed gate/up projection: 2), and each piece is sharded like `Shard`."""
+    if value.device_mesh.ndim != 1:
+        raise ValueError(f"layer {fqn!r}: its weight is {placement!r} on a {value.device_mesh.ndim}-D mesh; "
+                         "quantpass shards strided weights on 1-D meshes")  # fmt: skip
+    total, pieces = int(value.shape[placement.dim]), placement.split_factor
+    piece = total // pieces
+    chunk = -(-piece // world)  # torch.chunk's: the last ranks may hold less
+    start = min(rank * chunk, piece)
+    return [(k * piece + start, min(chunk, piece - start)) for k in range(pieces)]
 
 
 def _groups(weight, activation, axis: str) -> list[int]:
@@ -201,7 +212,7 @@ def _groups(weight, activation, axis: str) -> list[int]:
     return [size for size in sizes if size != -1]
 
 
-def _cuts(group: int, local: int, start: int, total: int) -> bool:
-    """Whether the shard `[start, start + local)` of `total` cuts a group of `group`: a group may
-    end short only at the tensor's end (the padded last group)."""
-    return start % group != 0 or ((start + local) % group != 0 and start + local != total)
+def _cuts(group: int, runs: list[tuple[int, int]], total: int) -> bool:
+    """Whether a shard (its runs `(start, length)` of `total`) cuts a group of `group`: a group
+    may end short only at the tensor's end (the padded last group)."""
+    return any(start % group != 0 or ((start + n) % group != 0 and start + n != total) for start, n in runs)

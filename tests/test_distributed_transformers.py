@@ -17,21 +17,22 @@ transformers = pytest.importorskip("transformers")
 DistributedConfig = pytest.importorskip("transformers.distributed").DistributedConfig
 
 
-def _hf_tp_case(rank, world, path: str, fmt: str) -> dict:
+def _hf_tp_case(rank, world, path: str, fmt: str, moe: bool = False) -> dict:
+    """Load the checkpoint whole and with transformers' TP plan; compile both with quantpass."""
     from tiny_models import token_ids
 
     import quantpass as qp
     from quantpass.metrics import cosine
 
-    ids = token_ids()
-    whole = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    ids, load = token_ids(), {"experts_implementation": "grouped_mm"} if moe else {}  # experts Dynamo sees
+    whole = transformers.AutoModelForCausalLM.from_pretrained(path, **load).eval()
     with torch.no_grad():
         reference = whole(ids).logits
         torch._dynamo.reset()
-        single = torch.compile(whole, backend=qp.backend(linear=fmt, lowering="aot_eager"))(ids).logits
+        single = torch.compile(whole, backend=qp.backend(linear=fmt, moe=fmt, lowering="aot_eager"))(ids).logits
     config = DistributedConfig(tp_plan="auto", tp_size=world)
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, distributed_config=config).eval()
-    run = compile_sharded(model, (ids,), linear=fmt)
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, distributed_config=config, **load).eval()
+    run = compile_sharded(model, (ids,), linear=fmt, moe=fmt)
     out = run.pop("out").logits
     run.pop("compiled")
     return {fmt: {**run, "cosine": cosine(reference, out), "cosine_single": cosine(single, out)}}
@@ -49,3 +50,19 @@ def test_transformers_tp_plan_auto_llama(tmp_path, fmt):
     for rank, result in enumerate(results):
         rows = result[fmt]["rows"]
         assert f"rank {rank}/2, local [64, 80] of [64, 160] (K split)" in rows["model.layers.0.mlp.down_proj"][1]
+
+
+def test_transformers_tp_plan_auto_qwen3_moe(tmp_path):
+    from tiny_moe_models import tiny_moe
+
+    fmt = "int8_weight_only"
+    tiny_moe("qwen3_moe", "grouped_mm", dtype=torch.float32, num_hidden_layers=1).save_pretrained(tmp_path)
+    results = run_ranks(_hf_tp_case, str(tmp_path), fmt, True)
+    # experts: gate_up packed colwise (each rank: its half of gate and of up), down rowwise, the
+    # outputs all-reduced by transformers; the expert site and 4 attention projections
+    _check_formats(results, [fmt], expected_quantized=5, gathers=None)
+    for rank, result in enumerate(results):
+        note = result[fmt]["rows"]["model.layers.0.mlp.experts"][1]
+        assert "grouped_mm experts" in note, note
+        shards = "gate_up_proj local [4, 32, 64] of [4, 64, 64], down_proj local [4, 64, 16] of [4, 64, 32]"
+        assert f"rank {rank}/2, {shards} (N split and K split)" in note, note
