@@ -17,8 +17,9 @@ transformers = pytest.importorskip("transformers")
 DistributedConfig = pytest.importorskip("transformers.distributed").DistributedConfig
 
 
-def _hf_tp_case(rank, world, path: str, fmt: str, moe: bool = False) -> dict:
-    """Load the checkpoint whole and with transformers' TP plan; compile both with quantpass."""
+def _hf_tp_case(rank, world, path: str, fmt: str, moe: bool = False, ep: str | None = None) -> dict:
+    """Load the checkpoint whole and with transformers' TP plan (and, with `ep`, its expert-parallel
+    plan with that `ep_implementation`); compile both with quantpass."""
     from tiny_models import token_ids
 
     import quantpass as qp
@@ -30,7 +31,8 @@ def _hf_tp_case(rank, world, path: str, fmt: str, moe: bool = False) -> dict:
         reference = whole(ids).logits
         torch._dynamo.reset()
         single = torch.compile(whole, backend=qp.backend(linear=fmt, moe=fmt, lowering="aot_eager"))(ids).logits
-    config = DistributedConfig(tp_plan="auto", tp_size=world)
+    experts = {"ep_size": world, "ep_implementation": ep} if ep else {}
+    config = DistributedConfig(tp_plan="auto", tp_size=world, **experts)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, distributed_config=config, **load).eval()
     run = compile_sharded(model, (ids,), linear=fmt, moe=fmt)
     out = run.pop("out").logits
@@ -66,3 +68,20 @@ def test_transformers_tp_plan_auto_qwen3_moe(tmp_path):
         assert "grouped_mm experts" in note, note
         shards = "gate_up_proj local [4, 32, 64] of [4, 64, 64], down_proj local [4, 64, 16] of [4, 64, 32]"
         assert f"rank {rank}/2, {shards} (N split and K split)" in note, note
+
+
+def test_transformers_expert_parallel_qwen3_moe_all_reduce(tmp_path):
+    """ep_implementation="all_reduce": every rank runs its 2 of the 4 experts on the whole batch
+    (transformers masks the other ranks' routes), an all-reduce sums the outputs. quantpass runs the
+    local experts in its fused MoE op from the global expert ids, with an expert_map."""
+    from tiny_moe_models import tiny_moe
+
+    fmt = "int8_weight_only"
+    tiny_moe("qwen3_moe", "grouped_mm", dtype=torch.float32, num_hidden_layers=1).save_pretrained(tmp_path)
+    results = run_ranks(_hf_tp_case, str(tmp_path), fmt, True, "all_reduce")
+    _check_formats(results, [fmt], expected_quantized=5, gathers=None)
+    for rank, result in enumerate(results):
+        note = result[fmt]["rows"]["model.layers.0.mlp.experts"][1]
+        shards = "gate_up_proj local [2, 64, 64] of [4, 64, 64], down_proj local [2, 64, 32] of [4, 64, 32]"
+        assert f"rank {rank}/2, {shards} (experts split)" in note, note
+        assert f"expert parallel: rank {rank}/2 runs experts [{2 * rank}, {2 * rank + 2}) of 4" in note, note
