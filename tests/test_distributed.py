@@ -208,14 +208,14 @@ def _is_sharded(module) -> bool:
 # ----------------------------------------------------------------------------- tests
 
 
-def _check_formats(results: list[dict], formats, expected_quantized: int, gathers: int | None = 0):
+def _check_formats(results: list[dict], formats, expected_quantized: int | None, gathers: int | None = 0):
     for rank, result in enumerate(results):
         for fmt in formats:
             run = result[fmt]
             assert "error" not in run, f"rank {rank} {fmt}: {run.get('error')}"
             assert run["cosine"] >= FLOORS[fmt], f"rank {rank} {fmt}: cosine {run['cosine']:.5f} vs unsharded eager"
             assert run["cosine_single"] >= SAME_AS_SINGLE, f"rank {rank} {fmt}: {run['cosine_single']:.5f}"
-            assert run["quantized"] == expected_quantized, (fmt, run["rows"])
+            assert expected_quantized is None or run["quantized"] == expected_quantized, (fmt, run["rows"])
             # no weight is ever gathered, while compiling or in the graph quantpass returns: the
             # model's own all-gathers (of activations) only, all seen by Watch, none of a shard
             assert run["gathers"] == run["watched"] and (gathers is None or run["gathers"] == gathers), (fmt, run)
