@@ -260,3 +260,55 @@ def test_tp_k_split_cutting_scale_groups_is_refused_in_one_line():
         assert {"fp8_per_tensor", "fp8_per_channel", "int8_weight_only", "nvfp4"} <= set(valid)  # 16 divides 48
         assert not {"mxfp8", "mxfp4", "fp8_per_block", "int4_weight_only"} & set(valid), valid
     _check_formats([fits for _, fits in results], ["mxfp8"], expected_quantized=3)
+
+
+@pytest.fixture
+def fake_world():
+    """A 2-rank world in this process (torch's fake process group: no peers, no communication)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=WORLD)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sharded_linears_quantpass_cannot_localize_say_why(fake_world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from quantpass.patterns.sharded import _local_plan
+
+    mesh, mesh_2d = init_device_mesh("cpu", (WORLD,)), init_device_mesh("cpu", (1, WORLD))
+    x = distribute_tensor(torch.randn(3, 8), mesh, [Replicate()])
+    weight = distribute_tensor(torch.randn(6, 8), mesh, [Shard(0)])
+    cases = [
+        (torch.randn(3, 8), weight, None, "its weight is a DTensor but its input is not"),
+        (x, distribute_tensor(torch.randn(6, 8), mesh, [Replicate()]), None, "is not Shard(0) or Shard(1)"),
+        (x, weight, distribute_tensor(torch.randn(6), mesh, [Replicate()]), "split on N but its bias is R"),
+        (x, distribute_tensor(torch.randn(6, 8), mesh, [Shard(1)]), distribute_tensor(torch.randn(6), mesh, [Shard(0)]),
+         "split on K but its bias is S(0)"),
+        (x, distribute_tensor(torch.randn(6, 8), mesh_2d, [Replicate(), Shard(0)]), None, "2-D device mesh"),
+    ]  # fmt: skip
+    for x_value, weight_value, bias_value, reason in cases:
+        plan = _local_plan(x_value, weight_value, bias_value)
+        assert isinstance(plan, str) and reason in plan, (reason, plan)
+    assert _local_plan(x, weight, None)[1] == (Shard(1),)  # N split: each rank its slice of the outputs
+
+
+def test_strided_shard_runs_and_cut_groups(fake_world):
+    """A packed gate/up weight (transformers' packed_colwise): rank 0 holds rows [0, 16) of the
+    gate half and [32, 48) of the up half; 16-row runs fit groups of 16, not of 32."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from quantpass.distributed import _cuts, _strided_runs
+
+    placement = _StridedShard(dim=0, split_factor=2)
+    value = distribute_tensor(torch.randn(64, 8), init_device_mesh("cpu", (WORLD,)), [placement])
+    runs = _strided_runs("experts", value, placement, rank=0, world=WORLD)
+    assert runs == [(0, 16), (32, 16)]
+    assert not _cuts(16, runs, 64) and _cuts(32, runs, 64)
+    assert not _cuts(32, [(32, 32)], 64) and not _cuts(32, [(32, 20)], 52) and _cuts(32, [(20, 12)], 32)

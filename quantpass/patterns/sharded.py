@@ -80,14 +80,7 @@ def _local_plan(x_value, weight_value, bias_value):
         if bias is not None and not bias.is_replicate():
             return f"its weight is split on K but its bias is {bias}"
         return (Shard(last),), (Partial(),), False
-    if placement.is_replicate():
-        x_placement = x_value.placements[0]
-        if x_placement.is_partial() or (x_placement.is_shard() and x_placement.dim % x_value.ndim == last):
-            return f"its weight is replicated but its input is {x_placement}"
-        if bias is not None and not bias.is_replicate():
-            return f"its weight is replicated but its bias is {bias}"
-        return (x_placement,), (x_placement,), True
-    return f"its weight's placement {placement} is not Shard(0), Shard(1) or Replicate"
+    return f"its weight's placement {placement} is not Shard(0) or Shard(1)"
 
 
 def localize_linears(graph: fx.Graph, example_inputs) -> int:
