@@ -197,6 +197,7 @@ def _tp_case(build: str, formats: list[str], world: int, release_last: bool) -> 
             run["local_bytes"] = sum(w.to_local().untyped_storage().nbytes() for w in sharded)
             with torch.no_grad():
                 run["cosine_after_release"] = cosine(out, logits(compiled(*inputs)))
+                run["eager_after_release"] = cosine(reference, logits(model(*inputs)))  # restored shards
         results[fmt] = run
     return results
 
@@ -236,6 +237,7 @@ def test_tp_mlp_matches_unsharded_and_quantizes_local_shards():
         last = result["int8_weight_only"]
         assert last["released"] and last["local_bytes"] == 0  # the released storage is the shard's
         assert last["cosine_after_release"] > 0.99999
+        assert last["eager_after_release"] >= FLOORS["int8_weight_only"]  # dequantized back into the shards
 
 
 @pytest.mark.parametrize("fmt", ["fp8_per_channel", pytest.param("int8_weight_only", marks=pytest.mark.slow)])
