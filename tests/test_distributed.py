@@ -170,7 +170,9 @@ def _tp_case(build: str, formats: list[str], world: int, release_last: bool) -> 
     if build.startswith("llama"):
         from tiny_models import tiny_llama, token_ids
 
-        model, inputs, plan = tiny_llama(layers=int(build.removeprefix("llama"))), (token_ids(),), LLAMA_PLAN
+        layers, _, intermediate = build.removeprefix("llama").partition("x")  # llama1, llama1x192
+        model = tiny_llama(layers=int(layers), intermediate_size=int(intermediate or 160))
+        inputs, plan = (token_ids(),), LLAMA_PLAN
         logits = lambda out: out.logits  # noqa: E731
     else:
         model, inputs, plan = MLP(hidden=int(build.removeprefix("mlp"))), (torch.randn(2, 5, 64),), MLP_PLAN
@@ -248,6 +250,13 @@ def test_tp_llama_matches_unsharded(fmt):
         rows = result[fmt]["rows"]
         assert f"rank {rank}/2, local [16, 64] of [32, 64] (N split)" in rows["model.layers.0.self_attn.k_proj"][1]
         assert f"rank {rank}/2, local [64, 80] of [64, 160] (K split)" in rows["model.layers.0.mlp.down_proj"][1]
+
+
+@pytest.mark.slow
+def test_tp_llama_mxfp8_matches_unsharded():
+    # intermediate 192: down_proj's K splits into 96 = 3 groups of 32 per rank (160 would be cut)
+    results = [result for (result,) in run_ranks(_tp_cases, [("llama1x192", ["mxfp8"])])]
+    _check_formats(results, ["mxfp8"], expected_quantized=7)
 
 
 def test_tp_k_split_cutting_scale_groups_is_refused_in_one_line():

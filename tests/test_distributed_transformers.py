@@ -70,13 +70,15 @@ def test_transformers_tp_plan_auto_qwen3_moe(tmp_path):
         assert f"rank {rank}/2, {shards} (N split and K split)" in note, note
 
 
-def test_transformers_expert_parallel_qwen3_moe_all_reduce(tmp_path):
+@pytest.mark.parametrize(
+    "fmt", ["int8_weight_only", *(pytest.param(f, marks=pytest.mark.slow) for f in ("fp8_per_channel", "mxfp8"))]
+)
+def test_transformers_expert_parallel_qwen3_moe_all_reduce(tmp_path, fmt):
     """ep_implementation="all_reduce": every rank runs its 2 of the 4 experts on the whole batch
     (transformers masks the other ranks' routes), an all-reduce sums the outputs. quantpass runs the
     local experts in its fused MoE op from the global expert ids, with an expert_map."""
     from tiny_moe_models import tiny_moe
 
-    fmt = "int8_weight_only"
     tiny_moe("qwen3_moe", "grouped_mm", dtype=torch.float32, num_hidden_layers=1).save_pretrained(tmp_path)
     results = run_ranks(_hf_tp_case, str(tmp_path), fmt, True, "all_reduce")
     _check_formats(results, [fmt], expected_quantized=5, gathers=None)
