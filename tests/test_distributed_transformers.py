@@ -65,7 +65,9 @@ def test_transformers_tp_plan_auto_qwen3_moe(tmp_path):
     _check_formats(results, [fmt], expected_quantized=5, gathers=None)
     for rank, result in enumerate(results):
         note = result[fmt]["rows"]["model.layers.0.mlp.experts"][1]
-        assert "grouped_mm experts" in note, note
+        # the fused MoE op, not the one-by-one fallback: the in-place all-reduce after the experts
+        # was made functional, so nothing writes into the region from outside
+        assert "grouped_mm experts" in note and "one by one" not in note, note
         shards = "gate_up_proj local [4, 32, 64] of [4, 64, 64], down_proj local [4, 64, 16] of [4, 64, 32]"
         assert f"rank {rank}/2, {shards} (N split and K split)" in note, note
 
@@ -87,6 +89,7 @@ def test_transformers_expert_parallel_qwen3_moe_all_reduce(tmp_path, fmt):
         shards = "gate_up_proj local [2, 64, 64] of [4, 64, 64], down_proj local [2, 64, 32] of [4, 64, 32]"
         assert f"rank {rank}/2, {shards} (experts split)" in note, note
         assert f"expert parallel: rank {rank}/2 runs experts [{2 * rank}, {2 * rank + 2}) of 4" in note, note
+        assert "one by one" not in note, note
 
 
 @pytest.mark.slow
