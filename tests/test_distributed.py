@@ -52,7 +52,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn, args) -> None:
     Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-def run_ranks(fn, *args, world: int = WORLD, timeout: float = 170.0) -> list:
+def run_ranks(fn, *args, world: int = WORLD, timeout: float = 400.0) -> list:
     """`fn(rank, world, *args)` on `world` spawned gloo ranks; their results, by rank."""
     with tempfile.TemporaryDirectory() as out:
         context = mp.start_processes(
