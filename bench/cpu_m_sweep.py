@@ -92,7 +92,7 @@ def main() -> None:
             rounds = 21 if m <= 32 else 5
             for label, (weight, aten) in weights.items():
                 rows[label].append(f"{median_ms(rounds, kernel, x, weight, aten):.3g}")
-            rows["dequantize + matmul"].append(f"{median_ms(rounds, cpu._dequantized_matmul, x, first):.3g}")
+            rows["dequantize + matmul"].append(f"{median_ms(rounds, cpu._large_m_matmul, x, first):.3g}")
             slow = m > args.bf16_max_m
             rows["bf16 F.linear"].append("" if slow else f"{median_ms(rounds, F.linear, x, w):.3g}")
         for label, cells in rows.items():

@@ -100,7 +100,8 @@ class QuantizedGraph:
         for index in self.raw_params:
             if WEIGHTS.is_released(args[index]):
                 logger.warning(
-                    "quantpass: a graph reads a weight of shape %s unquantized after quantpass released it; "
+                    "quantpass: a graph reads a weight of shape %s unquantized after quantpass released it (a tied "
+                    "weight, or a graph Dynamo compiled for another instance of the class without quantizing it); "
                     "restoring it from its quantized value (pass keep_original_weights=True to keep originals)",
                     tuple(args[index].shape),
                 )
@@ -134,7 +135,10 @@ class QuantpassBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         options = self.options
         if options.config.is_empty and not any(WEIGHTS.declared(v) for v in example_inputs if _is_param(v)):
-            return lower(gm, example_inputs, options.lowering)  # nothing to quantize: plain lowering
+            # nothing to quantize: plain lowering, still guarded against released weights (Dynamo may
+            # serve this graph to another instance of the class, e.g. a pre-quantized one)
+            raw = [i for i, v in enumerate(example_inputs) if _is_param(v)]
+            return QuantizedGraph(lower(gm, example_inputs, options.lowering), [], raw).__call__
         quantize_pass = self.quantize_pass
         result = quantize_pass(gm, example_inputs)
         self.plans.append(result.plan)

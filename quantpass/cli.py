@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
         sub.add_argument("--dtype", default=None, choices=sorted(DTYPES), help="default: bfloat16")
         sub.add_argument("--prompt-length", type=_positive, default=16)
         sub.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+        sub.add_argument(
+            "--quantize-on-load",
+            action="store_true",
+            help="a full-precision checkpoint dir: quantize each weight as it is read (one --quantization "
+            "format; never holds the model in full precision)",
+        )
     run.add_argument("--compare", metavar="FMT1,FMT2", help=f"formats to compare (shorthands or {DEFAULT_LABEL!r})")
     run.add_argument("--new-tokens", type=_positive, default=8, help="greedy tokens generated for the speed test")
     run.add_argument("--rounds", type=_positive, default=5, help="timing rounds, the two models alternating")
@@ -88,6 +94,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="keep each quantized weight's full-precision original (default: its storage is freed)",
     )
+    run.add_argument(
+        "--requantize",
+        action="store_true",
+        help="a pre-quantized checkpoint: allow another weight format (quantized again from the dequantized weights)",
+    )
+    run.add_argument("--save", metavar="DIR", help="write the quantized model as a ModelOpt checkpoint here")
     run.add_argument("--debug-dir", metavar="DIR", help="dump graphs, plans and depyf output per compile here")
     formats.add_argument("--markdown", action="store_true", help="a Markdown table (as in README.md)")
     return root
@@ -115,7 +127,11 @@ def main(argv=None) -> int:
             args.device = _device(args.device)
             preset_defaulted, args.model = args.model is None, args.model or default_preset(args.device)
             model_config = _check_before_work(args)
-            configs, why = _configs(config, getattr(args, "compare", None), named, args.device)
+            configs, why = _checkpoint_configs(args, config, named) or _configs(
+                config, getattr(args, "compare", None), named, args.device
+            )
+            if getattr(args, "save", None):
+                _check_exportable(configs, args.load_formats)
             _check_configs(configs, args.device, model_config)
             if why and preset_defaulted:
                 why += f"; the {args.model} preset is the default model on {args.device}"
@@ -171,6 +187,8 @@ def _check_before_work(args):
         _check_output_file(args.json, "--json")
     if getattr(args, "debug_dir", None):
         _check_output_dir(args.debug_dir, "--debug-dir")
+    if getattr(args, "save", None):
+        _check_output_dir(args.save, "--save")
     config = model_config(args.model)  # raises naming the presets for a bad --model
     positions = getattr(config.get_text_config(), "max_position_embeddings", None)
     needed = args.prompt_length + getattr(args, "new_tokens", 0)
@@ -228,6 +246,52 @@ def _is_moe(model_config) -> bool:
 
 
 # -- formats --------------------------------------------------------------------------------------
+
+
+def _checkpoint_configs(args, flags: QuantizationConfig, named: bool):
+    """For a checkpoint that loads quantized (pre-quantized, or --quantize-on-load): the one config
+    to compile with (the layers' own formats, plus any activation override in `flags`) and why;
+    None for anything else. Sets `args.load_formats`, the formats to apply as the weights load."""
+    from .backend import CONFIG_OPTIONS
+    from .presets import PRESETS, checkpoint_layout
+
+    args.load_formats = None
+    if args.model in PRESETS:
+        if args.quantize_on_load:
+            raise UsageError(f"--quantize-on-load needs a checkpoint directory; {args.model!r} is a preset")
+        return None
+    layout = checkpoint_layout(args.model)
+    if getattr(args, "compare", None) and (layout is not None or args.quantize_on_load):
+        raise UsageError("--compare needs a full-precision model; this checkpoint loads quantized (one format)")
+    if args.quantize_on_load:
+        if layout is not None:
+            raise UsageError(f"--quantize-on-load: {args.model!r} is already quantized ({layout.quant_algo})")
+        if not named:
+            raise UsageError("--quantize-on-load needs the format to apply: --quantization NAME")
+        args.load_formats = {f: getattr(flags, f) for f in flags.fields_set if f in CONFIG_OPTIONS}
+        return [(_label(flags), QuantizationConfig())], None
+    if layout is None:
+        return None
+    label = f"checkpoint {layout.quant_algo}"
+    why = f"{args.model} is a {layout.producer} checkpoint ({layout.quant_algo}): running its own formats"
+    return [(label, QuantizationConfig().merged_with(flags))], why
+
+
+def _check_exportable(configs, load_formats: dict | None) -> None:
+    """--save: one format, each weight format one a ModelOpt checkpoint can store."""
+    from .checkpoints.algos import algo_for
+    from .quant_registry.keys import needs_input_scale
+
+    if len(configs) != 1:
+        raise UsageError(f"--save writes one quantized model; {len(configs)} formats are compared")
+    config = configs[0][1]
+    specs = [config.linear, config.moe, *config.targets.values(), *(load_formats or {}).values()]
+    for spec in specs:
+        if isinstance(spec, QuantSpec) and spec.weight is not None:
+            try:
+                algo_for(spec.weight, needs_input_scale(spec.activation))
+            except ValueError as e:
+                raise UsageError(f"--save: {e}") from None
 
 
 def _configs(flags: QuantizationConfig, compare: str | None, named: bool, device: str):
@@ -305,6 +369,7 @@ class _CompileError(Exception):
 def _unwrap_compile_error(error: BaseException) -> _CompileError | None:
     from .kernels.oracle import NoKernelError
     from .passes.verify import QuantizationError
+    from .quant_registry.spec import WeightFormatConflict
 
     seen = error
     while seen is not None:
@@ -312,6 +377,8 @@ def _unwrap_compile_error(error: BaseException) -> _CompileError | None:
             return _CompileError(str(seen), 2)  # the user asked for something this machine can't run
         if isinstance(seen, QuantizationError):
             return _CompileError(str(seen), 1)
+        if isinstance(seen, WeightFormatConflict):
+            return _CompileError(str(seen).replace("requantize=True", "--requantize"), 2)
         seen = getattr(seen, "inner_exception", None) or seen.__cause__
     return None
 
@@ -344,7 +411,7 @@ def _load(args, trained: bool = True):
     from .presets import load_model
 
     _step(f"loading model {args.model!r}")
-    loaded = load_model(args.model, dtype=args.dtype, device=args.device, progress=_step, trained=trained)
+    loaded = load_model(args.model, args.dtype, args.device, _step, trained=trained, quantize_on_load=args.load_formats)
     ids = loaded.prompt(args.prompt_length)
     _step(f"{loaded.description}; {loaded.parameters / 1e6:.2f} M parameters; prompt of {ids.shape[1]} tokens")
     return loaded, ids
@@ -354,8 +421,9 @@ def _explain(args, config: QuantizationConfig) -> int:
     from .backend import explain
 
     loaded, ids = _load(args, trained=False)  # a plan depends on the architecture, not the weights
+    model = loaded.model if loaded.load_quantized is None else loaded.quantizable()
     _step(f"capturing with Dynamo and planning {_label(config)}")
-    plan = _guarded(lambda: explain(loaded.model, ids, config=config))
+    plan = _guarded(lambda: explain(model, ids, config=config))
     print(plan)
     if args.json:
         _write_json(args.json, {"model": loaded.name, "config": config.to_dict(), "plan": plan.to_dicts()})
@@ -365,7 +433,7 @@ def _explain(args, config: QuantizationConfig) -> int:
 def _run(args, configs) -> int:
     from .backend import BackendOptions
     from .debug import depyf_session
-    from .measure import measure, quantized_copy, time_side_by_side, warm_up
+    from .measure import measure, time_side_by_side, warm_up
     from .report import comparison, run_table, summary_table
 
     options = backend_options(args)
@@ -387,7 +455,7 @@ def _run(args, configs) -> int:
     for i, (label, config) in enumerate(configs, start=2):
         _step(f"[{i}/{steps}] {label}: compiling with quantpass ({args.lowering}), then {args.rounds} timing rounds")
         debug_dir = f"{args.debug_dir}/{label}" if args.debug_dir else None  # compile_NNN/ and depyf/
-        model = quantized_copy(loaded.model)
+        model = loaded.quantizable()
         with depyf_session(debug_dir):
             result = _guarded(
                 lambda model=model, config=config, label=label, debug_dir=debug_dir: measure(
@@ -396,6 +464,11 @@ def _run(args, configs) -> int:
             )
         timed_baseline, timed_result = time_side_by_side([baseline, result], ids, rounds=args.rounds)
         timed_baseline.forward = timed_result.forward = result.forward = None  # the copy may go
+        if args.save:
+            from .checkpoints import save_pretrained
+
+            save_pretrained(model, args.save)
+            _step(f"wrote the quantized model to {args.save}")
         del model
         pairs.append((timed_baseline, timed_result))
         table = run_table(timed_baseline, timed_result, args.lowering)
@@ -429,6 +502,7 @@ def backend_options(args) -> dict:
         "lowering": args.lowering,
         "verify": not args.no_verify,
         "keep_original_weights": args.keep_original_weights,
+        "requantize": args.requantize,
     }
 
 

@@ -9,7 +9,7 @@ whether to compile (`enabled`, `enable_if(instance)`), marks the dynamic dims of
 arguments, and calls `nn.Module.compile(backend=...)` on the instance; every later call goes through
 the compiled `_call_impl`. One backend is shared by all instances of a decorated class: Dynamo
 reuses a graph for every instance with the same structure (the weights are graph inputs, see
-DESIGN.md §2), so N decoder layers compile once.
+docs/design.md §2), so N decoder layers compile once.
 """
 
 from __future__ import annotations

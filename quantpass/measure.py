@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 import torch
 
 from .backend import backend as quantpass_backend
+from .lowering import lower
 from .metrics import cosine
 from .plan import Plan
 from .presets import unique_parameters
@@ -216,11 +217,13 @@ def measure(
     time the first call (the compile) and keep its logits and one greedy generation's tokens. The
     compiled forward stays in the result for `time_side_by_side`: Dynamo's cache is not reset, so
     measure each configuration on its own model object (`quantized_copy`)."""
-    backend = quantpass_backend(config, lowering=lowering, **options)
+    # The unquantized side gets a plain lowering, not quantpass with no config: Dynamo would take
+    # the two backends for equal and serve this graph to a later model of the same class.
+    backend = _plain(lowering) if config is None else quantpass_backend(config, lowering=lowering, **options)
     compiled = torch.compile(model, backend=backend)
     prompt = ids.clone()
     torch._dynamo.mark_dynamic(prompt, SEQUENCE_DIM)
-    cached_before = WEIGHTS.nbytes()
+    cached_before = WEIGHTS.nbytes() - WEIGHTS.nbytes(unique_parameters(model))  # its own count (loaded quantized)
     with torch.no_grad():
         output, cost = _first_call(compiled, prompt, lowering)
         tokens, _ = greedy_generate(compiled, ids, new_tokens)
@@ -237,6 +240,13 @@ def measure(
         plan=plan,
         forward=compiled,
     )
+
+
+def _plain(lowering: str):
+    def plain_backend(gm, example_inputs):
+        return lower(gm, example_inputs, lowering)
+
+    return plain_backend
 
 
 def quantized_copy(model: torch.nn.Module) -> torch.nn.Module:

@@ -17,6 +17,7 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,6 +108,17 @@ class LoadedModel:
     description: str
     vocab_size: int
     language: Language | None = None  # the presets' language; None for a checkpoint
+    # A pre-quantized checkpoint, or one quantized as it loads: loads the quantized model (its
+    # layers hold the checkpoint's formats); `model` is then its dequantized twin.
+    load_quantized: Callable[[], torch.nn.Module] | None = None
+
+    def quantizable(self) -> torch.nn.Module:
+        """A model to compile with quantpass, next to `model` (which stays unquantized)."""
+        if self.load_quantized is not None:
+            return _ready(self.load_quantized())
+        from .measure import quantized_copy
+
+        return quantized_copy(self.model)
 
     @property
     def parameters(self) -> int:
@@ -163,10 +175,13 @@ def load_model(
     device: str | None = None,
     progress=None,
     trained: bool = True,
+    quantize_on_load: dict | None = None,
 ) -> LoadedModel:
     """A preset by name (trained on `LANGUAGE`, or loaded from the cache of an earlier training;
     `trained=False`: seeded random weights, enough for a plan) or a local checkpoint directory ->
-    LoadedModel. `progress(message)` hears about a training."""
+    LoadedModel. A pre-quantized checkpoint (ModelOpt, gpt-oss MXFP4), or a full-precision one with
+    `quantize_on_load` (`qp.from_pretrained`'s format options), loads quantized: the LoadedModel's
+    `model` is then its dequantized twin. `progress(message)` hears about a training."""
     device = device or default_device()
     name_or_dir = name_or_dir or default_preset(device)
     dtype = dtype or default_dtype(device)
@@ -174,6 +189,10 @@ def load_model(
         raise ValueError(f"invalid dtype {dtype!r}; valid: {', '.join(sorted(DTYPES))}")
     transformers = _transformers()
     config, language = model_config(name_or_dir), None
+    if name_or_dir not in PRESETS and (quantize_on_load or checkpoint_layout(name_or_dir) is not None):
+        return _load_quantized(name_or_dir, dtype, device, quantize_on_load or {}, config)
+    if quantize_on_load:
+        raise ValueError(f"quantize on load needs a checkpoint directory; {name_or_dir!r} is a preset")
     if name_or_dir in PRESETS:
         model = trained_preset(name_or_dir, progress) if trained else _build(name_or_dir)
         name, language = name_or_dir, LANGUAGE
@@ -185,11 +204,37 @@ def load_model(
             name_or_dir, local_files_only=True, dtype=DTYPES[dtype]
         )
         name, description = str(name_or_dir), f"{type(model).__name__} from {name_or_dir}"
+    model = _ready(model.to(device=device, dtype=DTYPES[dtype]))
+    return LoadedModel(model, name, f"{description}; {dtype} on {device}", config.vocab_size, language)
+
+
+def _ready(model: torch.nn.Module) -> torch.nn.Module:
     if model._can_set_experts_implementation():  # an MoE model (dense ones refuse the setting)
         model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
-    model = model.to(device=device, dtype=DTYPES[dtype]).eval()
     model.config.use_cache = False  # generation re-runs the whole sequence: see measure.greedy_generate
-    return LoadedModel(model, name, f"{description}; {dtype} on {device}", config.vocab_size, language)
+    return model.eval()
+
+
+def checkpoint_layout(directory: str):
+    """The quantization a checkpoint directory declares (None: a full-precision checkpoint)."""
+    from .checkpoints import detect
+
+    return detect(directory)
+
+
+def _load_quantized(directory: str, dtype: str, device: str, formats: dict, config) -> LoadedModel:
+    """A checkpoint loaded quantized (its own formats, or `formats` applied as it loads) and its
+    dequantized twin as the unquantized side: a comparison then measures the kernels and the
+    activations' quantization; for a checkpoint quantized on load, not the weights' own error."""
+    from .checkpoints import dequantized, describe, from_pretrained
+
+    def load() -> torch.nn.Module:
+        return from_pretrained(directory, dtype=DTYPES[dtype], device=device, **formats)
+
+    facts = describe(directory)[0] if not formats else f"{directory}: quantized as it loads"
+    twin = _ready(dequantized(load()))
+    description = f"{type(twin).__name__} ({facts}), against its dequantized self; {dtype} on {device}"
+    return LoadedModel(twin, directory, description, config.vocab_size, None, load)
 
 
 def trained_preset(name: str, progress=None) -> torch.nn.Module:

@@ -7,7 +7,8 @@ from collections import Counter
 from .kernels.oracle import CANDIDATES, REFERENCE_CAPABILITIES, kernel_table
 from .measure import Measurement, logits_agreement, speedup
 from .plan import Plan
-from .quant_registry.spec import ROLE_NAMES, SHORTHANDS, QuantizationConfig
+from .quant_registry.named_formats import ROLE_NAMES, SHORTHANDS, format_for
+from .quant_registry.spec import QuantizationConfig
 
 
 def table(headers, rows, markdown: bool = False) -> str:
@@ -27,11 +28,11 @@ def format_rows() -> list[list[str]]:
     """One row per (name, kind): name, weight key, activation key, kind, then the backends that
     can run it on each reference device, in the oracle's priority order."""
     backends = {(row["kind"], row["weight"], row["activation"]): row["backends"] for row in kernel_table()}
-    names = {pair: name for name, pair in reversed(SHORTHANDS.items())}  # first shorthand per pair wins
     pairs = list(dict.fromkeys([*SHORTHANDS.values(), *(p for table in CANDIDATES.values() for p in table)]))
     rows = []
     for weight, activation in pairs:
-        name = names.get((weight, activation)) or _role_spelling(weight, activation)
+        fmt = format_for((weight, activation))
+        name = fmt.name if fmt is not None else _role_spelling(weight, activation)
         for kind in CANDIDATES:
             per_device = backends.get((kind, weight, activation))
             if per_device is None:
@@ -45,7 +46,8 @@ def _role_spelling(weight, activation) -> str:
     """A pair with no shorthand, as a config spells it: 'weight=mxfp4, activation=mxfp8'."""
     spelled = []
     for role, key in (("weight", weight), ("activation", activation)):
-        name = next((n for n, keys in ROLE_NAMES.items() if keys[("weight", "activation").index(role)] == key), None)
+        index = ("weight", "activation").index(role)
+        name = None if key is None else next((n for n, keys in ROLE_NAMES.items() if keys[index] == key), None)
         spelled.append(f"{role}={name or key or 'none'}")
     return ", ".join(spelled)
 
@@ -59,10 +61,11 @@ def formats_table(markdown: bool = False) -> str:
 
 
 def config_label(config: QuantizationConfig) -> str:
-    """'fp8_per_channel' when linears and experts agree, else 'linear X, moe Y'."""
+    """'fp8_per_channel' when linears and experts agree, else 'linear X, moe Y'; a config that names
+    no weight format runs the formats a checkpoint declared."""
     linear, moe = (None if s is None else s.name() for s in (config.linear, config.moe))
     if linear == moe:
-        return linear or "nothing"
+        return linear or "the checkpoint's formats"
     return ", ".join(f"{kind} {name}" for kind, name in (("linear", linear), ("moe", moe)) if name)
 
 

@@ -1,7 +1,7 @@
 """Quantized weights keyed by the parameter objects actually passed, never baked into a graph.
 
 Dynamo reuses one compiled graph for every instance of a module class, so the runtime wrapper asks
-this cache for each call's weights (docs/design.md, "Weights"). Two levels:
+this cache for each call's weights (docs/design.md §3). Two levels:
 
 - a `ParamRecord` per parameter (held weakly: it dies with its parameter) says whether the
   parameter changed since its quantized copies were built: `_version` (in-place writes such as
@@ -226,11 +226,16 @@ class WeightCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def nbytes(self) -> int:
-        """Bytes of the distinct tensors the cache holds (what quantpass adds to a process)."""
+    def nbytes(self, params: Sequence[torch.Tensor] | None = None) -> int:
+        """Bytes of the distinct tensors the cache holds (what quantpass adds to a process); with
+        `params`, only the quantized values of those parameters (e.g. a checkpoint's, as loaded)."""
         seen, total = set(), 0
-        tensors = [t for _, value in self._entries.values() for t in (value[1] if isinstance(value, tuple) else ())]
-        tensors += [t for r in self._records.values() for qt in r.canonical.values() for t in qt.tensors()]
+        if params is None:
+            entries, records = self._entries.values(), self._records.values()
+        else:
+            entries, records = (), [self._records[id(p)] for p in params if id(p) in self._records]
+        tensors = [t for _, value in entries for t in (value[1] if isinstance(value, tuple) else ())]
+        tensors += [t for r in records for qt in r.canonical.values() for t in qt.tensors()]
         for t in tensors:
             if t is None:
                 continue
@@ -285,10 +290,20 @@ def _guard_eager_use() -> None:
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
 
 
+_READS_CHILD_WEIGHTS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
+_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> release epoch checked
+
+
 def _restore_before_eager_use(module, args):
     if torch.compiler.is_compiling():
         return
-    for param in module._parameters.values():
+    if _CHECKED.get(module) == WEIGHTS.release_epoch:  # nothing released since its last eager call
+        return
+    _CHECKED[module] = WEIGHTS.release_epoch
+    # A few torch modules read their children's weights without calling them (MultiheadAttention's
+    # out_proj, the encoder layer's fast path); any other module's children get their own call.
+    params = module.parameters() if isinstance(module, _READS_CHILD_WEIGHTS) else module._parameters.values()
+    for param in params:
         if param is not None and WEIGHTS.is_released(param):
             log = logger.debug if _EAGER_GUARD[1:] else logger.warning  # one warning per process
             _EAGER_GUARD.append(True)

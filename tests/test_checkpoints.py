@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -311,6 +312,54 @@ def test_describe_and_detect(checkpoints, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
     with pytest.raises(ValueError, match="quant_method 'gptq' is not supported; quantpass reads: modelopt, mxfp4"):
         qp.checkpoints.detect(str(tmp_path))
+
+
+def test_a_graph_dynamo_reuses_from_a_plain_twin_never_reads_freed_weights(checkpoints, caplog):
+    """Two equal backends: Dynamo serves the twin's graph (no sites) to the checkpoint model of the
+    same class. It must restore the released weights (with a warning), not read freed storage."""
+    path = os.path.join(checkpoints, "W4A16_NVFP4")
+    twin = qp.checkpoints.dequantized(qp.from_pretrained(path))
+    model = qp.from_pretrained(path)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        expected = torch.compile(twin, backend=qp.backend(lowering="eager"))(EVAL_IDS).logits.float()
+        got = torch.compile(model, backend=qp.backend(lowering="eager"))(EVAL_IDS).logits.float()
+    assert cosine(got, expected) > 0.9999
+    assert "a graph Dynamo compiled for another instance of the class" in caplog.text
+
+
+# ---------------------------------------------------------------------------- the command line
+CLI_RUN = ["--lowering", "aot_eager", "--new-tokens", "2", "--prompt-length", "8", "--rounds", "1"]
+
+
+def test_cli_runs_a_checkpoint_against_its_dequantized_self_and_saves_it(checkpoints, tmp_path, capsys):
+    from quantpass.cli import main
+
+    path = os.path.join(checkpoints, "FP8_PER_CHANNEL_PER_TOKEN")
+    saved, report = tmp_path / "saved", tmp_path / "run.json"
+    assert main(["run", "--model", path, *CLI_RUN, "--save", str(saved), "--json", str(report)]) == 0
+    out = capsys.readouterr()
+    assert "modelopt checkpoint (FP8_PER_CHANNEL_PER_TOKEN): running its own formats" in out.err
+    assert "== checkpoint FP8_PER_CHANNEL_PER_TOKEN: the checkpoint's formats ==" in out.out
+    assert re.search(r"^model\.layers\.0\.mlp\.up_proj .* checkpoint: FP8_PER_CHANNEL_PER_TOKEN", out.out, re.M)
+    (result,) = json.loads(report.read_text())["formats"]
+    assert result["cosine"] > 0.99 and result["summary"].startswith("linear: 7 quantized")
+    assert qp.checkpoints.detect(str(saved)).quant_algo == "FP8_PER_CHANNEL_PER_TOKEN"
+    for name, entry in shards.index(path).items():  # the run wrote the checkpoint's tensors back
+        assert shards.read(shards.index(str(saved))[name]).equal(shards.read(entry)), name
+
+
+def test_cli_explains_a_checkpoint_and_refuses_another_weight_format(checkpoints, capsys):
+    from quantpass.cli import main
+
+    path = os.path.join(checkpoints, "FP8")
+    assert main(["explain", "--model", path, "--prompt-length", "8"]) == 0
+    assert re.search(r"^model\.layers\.0\.self_attn\.q_proj .*kFp8StaticTensorSym +kFp8StaticTensorSym .*checkpoint: FP8",
+                     capsys.readouterr().out, re.M)  # fmt: skip
+    assert main(["run", "--model", path, *CLI_RUN, "--quantization", "int8_weight_only"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("quantpass: error: layer ") and "asks for kInt8StaticChannelSym" in err
+    assert "pass --requantize to quantize again" in err
 
 
 if __name__ == "__main__":

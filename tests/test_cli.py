@@ -69,7 +69,9 @@ def test_run_compare_writes_every_format(capsys, tmp_path):
 @pytest.mark.parametrize("flags, keep", [([], False), (["--keep-original-weights"], True)])
 def test_run_flags_become_backend_options(flags, keep):
     args = cli._parser().parse_args(["run", "--lowering", "aot_eager", "--no-verify", *flags])
-    assert cli.backend_options(args) == {"lowering": "aot_eager", "verify": False, "keep_original_weights": keep}
+    assert cli.backend_options(args) == {
+        "lowering": "aot_eager", "verify": False, "keep_original_weights": keep, "requantize": False
+    }  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -110,6 +112,46 @@ def test_explain_loads_a_local_checkpoint_directory(capsys, tmp_path):
     assert main([*argv, "--json", str(tmp_path / "plan.json")]) == 0
     assert "linear: 14 quantized (int8_per_channel; cpu 14) | 1 skipped" in capsys.readouterr().out
     assert json.loads((tmp_path / "plan.json").read_text())["model"] == str(tmp_path)
+
+
+def test_run_quantizes_a_full_precision_checkpoint_as_it_loads(capsys, tmp_path):
+    from quantpass.presets import load_model
+
+    load_model("dense", device="cpu", trained=False).model.save_pretrained(tmp_path)
+    argv = ["run", "--model", str(tmp_path), "--quantize-on-load", "--quantization", "int8_weight_only"]
+    argv += ["--lowering", "aot_eager", "--new-tokens", "2", "--prompt-length", "8", "--rounds", "1"]
+    assert main([*argv, "--json", str(tmp_path / "run.json")]) == 0
+    out = capsys.readouterr()
+    assert "quantized as it loads), against its dequantized self" in out.err
+    assert "linear: 14 quantized (int8_weight_only; cpu 14) | 1 skipped" in out.out
+    assert re.search(r"^model\.layers\.0\.mlp\.down_proj .* quantized on load: int8_weight_only", out.out, re.M)
+    (result,) = json.loads((tmp_path / "run.json").read_text())["formats"]
+    assert result["cosine"] > 0.999  # against its own dequantized weights: only the kernels differ
+    # resident: the quantized weights loaded before the compile count too (INT8: ~half of bf16)
+    assert 0.4 < result["resident_bytes_ratio"] < 0.6
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ([], "--quantize-on-load needs the format to apply: --quantization NAME"),
+        (["--compare", "int8_weight_only,int4_weight_only"], "--compare needs a full-precision model"),
+        (["--quantization", "int8_weight_only", "--save", "out"], "--save: no ModelOpt quant_algo stores kInt8"),
+    ],
+)
+def test_quantize_on_load_usage_errors(capsys, tmp_path, extra, message):
+    (tmp_path / "config.json").write_text(json.dumps(load_config_dict()))
+    assert main(["run", "--model", str(tmp_path), "--quantize-on-load", *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert main(["run", "--quantize-on-load", "--quantization", "int8_weight_only"]) == 2
+    assert "--quantize-on-load needs a checkpoint directory; 'dense' is a preset" in capsys.readouterr().err
+
+
+def load_config_dict() -> dict:
+    from quantpass.presets import model_config
+
+    return model_config("dense").to_dict()
 
 
 def test_formats_lists_names_keys_and_backends(capsys):

@@ -435,6 +435,6 @@ def test_linear_graph_inductor_fuses_activation_quantization():
         x = torch.randn(m, 256, dtype=torch.bfloat16)
         out = f(x, qt.data, qt.scale, None, bias)
         ref = reference.linear(torch.relu(x), qt, pair[1], bias)
-        # Inductor's bf16 rounding of fused math differs from eager (DESIGN.md §7): looser floor
+        # Inductor's bf16 rounding of fused math differs from eager (docs/design.md §7): looser floor
         assert out.shape == (m, 96) and sqnr(ref.float(), out.float()) >= 30
     assert counter.frame_count == frames, "a new M recompiled"

@@ -10,7 +10,7 @@ import functools
 import pytest
 import torch
 from tiny_models import token_ids
-from tiny_moe_models import tiny_moe
+from tiny_moe_models import eager_and_compiled_logits, tiny_moe
 
 import quantpass as qp
 from quantpass.kernels.oracle import MOE_CANDIDATES
@@ -72,12 +72,8 @@ def test_every_moe_format_on_real_models(name, implementation, pair):
 
 def test_through_torch_compile_with_linears_too():
     model = tiny_moe("qwen3_moe", "grouped_mm", dtype=torch.bfloat16)
-    ids = token_ids(length=9)
     backend = qp.backend(linear="fp8_per_channel", moe="mxfp8", lowering="aot_eager")
-    torch._dynamo.reset()
-    with torch.no_grad():
-        reference_logits = model(ids).logits
-        logits = torch.compile(model, backend=backend)(ids).logits
+    reference_logits, logits = eager_and_compiled_logits(model, token_ids(length=9), backend)
     summary = backend.plan.summary()
     assert "moe: 2 quantized (mxfp8; reference 2)" in summary, summary
     routers = [row for row in backend.plan.rows if row.fqn.endswith("mlp.gate")]

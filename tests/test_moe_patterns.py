@@ -74,7 +74,7 @@ def rewrite_all(gm, example_inputs, spec=SPEC, corrupt=None):
         placeholders = add_placeholders(gm.graph, [f"quantized_{len(extra) + i}" for i in range(len(tensors))])
         set_placeholder_values(gm.graph, placeholders, tensors)
         nodes = iter(placeholders)
-        weights = [[next(nodes), next(nodes), next(nodes) if qt.scale2 is not None else None] for qt in qtensors]
+        weights = [[next(nodes), next(nodes), next(nodes) if qt.scale2 is not None else None, None] for qt in qtensors]
         site.rewrite(gm.graph, weights, spec, "reference", "cpu")
         extra += tensors
     gm.graph.lint()

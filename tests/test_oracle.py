@@ -278,3 +278,26 @@ def test_rocm_torch_is_detected_as_hip(monkeypatch):
         oracle._detect.cache_clear()
     assert capability.hip and capability.sm is None
     assert select("linear", keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym, capability, BIG).backend == "reference"
+
+
+def test_every_registered_backend_implements_the_contract():
+    from quantpass.kernels import registry
+    from quantpass.quant_registry.spec import BACKEND_NAMES
+
+    assert ("auto", *sorted(registry.BACKEND_MODULES)) == BACKEND_NAMES  # one list of names
+    for name in registry.BACKENDS:
+        module = registry.backend(name)
+        assert isinstance(module, registry.Backend), name
+        assert all(callable(getattr(module, member)) for member in registry.MEMBERS), name
+    listed = {b for table in oracle.CANDIDATES.values() for backends in table.values() for b in backends}
+    assert listed == set(registry.BACKENDS)  # every candidate row names a registered backend, and all are used
+
+
+def test_a_module_missing_part_of_the_contract_is_refused(monkeypatch):
+    from quantpass.kernels import registry
+
+    monkeypatch.setitem(registry.BACKEND_MODULES, "half_done", "quantpass.kernels.flashinfer_layout")
+    with pytest.raises(TypeError, match="lacks DEVICES, supports, prepare_weight"):
+        registry.backend("half_done")
+    with pytest.raises(ValueError, match="invalid backend 'nope'; valid: auto, cpu, flashinfer, native"):
+        registry.backend("nope")

@@ -206,3 +206,10 @@ def defeat_activation(model: nn.Module) -> nn.Module:
     for module in experts:
         module._apply_gate = lambda gate_up, own=module._apply_gate: own(gate_up).clamp(max=50)
     return model
+
+
+def eager_and_compiled_logits(model: nn.Module, ids: torch.Tensor, backend) -> tuple[torch.Tensor, torch.Tensor]:
+    """(eager logits, logits through `torch.compile(model, backend=backend)`), after a Dynamo reset."""
+    torch._dynamo.reset()
+    with torch.no_grad():
+        return model(ids).logits, torch.compile(model, backend=backend)(ids).logits

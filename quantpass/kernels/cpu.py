@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from ..quant_registry.formats import dequantize, unpack_int4
 from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
 from ..quant_registry.qtensor import QTensor
-from . import cpu_avx2, ops, reference
+from . import cpu_avx2, ops, reference, registry
 from .reference import fake_quantize
 
 logger = logging.getLogger("quantpass")
@@ -41,8 +41,8 @@ KERNELS = {
 }
 BITS = {kInt8StaticChannelSym: 8, kInt4StaticGroup128Sym: 4}
 # INT8 W8A8 runs the same kernels on per-token fake-quantized activations: identical math to an
-# int8 x int8 GEMM with both scales in the epilogue, but torch._int_mm on this CPU took 1570 ms at
-# M=128 (4096x4096, 1 thread, 2026-11-29) against 144 ms for the dequantize path.
+# int8 x int8 GEMM with both scales in the epilogue, ~10x faster here than torch._int_mm
+# (bench/README.md, "Measurements behind choices in the code").
 ACTIVATIONS = {kInt8StaticChannelSym: (None, kInt8DynamicTokenSym)}
 GROUP = 128  # INT4 scale group along K
 # torch._weight_int8pack_mm (torch 2.13, AVX2) reads K in steps of 8: with K % 8 != 0 it segfaulted
@@ -53,7 +53,7 @@ INT8_K_MULTIPLE = 8
 # How our kernels take activations, and the measured accuracy against fp32 activations behind the
 # choice (bench/cpu_decode.py --parts accuracy; speed and accuracy tables in bench/README.md). "exact" (fp32
 # activations) is the other mode: 1.2-2.5x slower here at every M, and aten's AVX-512 kernels beat it
-# from M=16 (2026-12-01), while these lose nothing measurable.
+# from M=16, while these lose nothing measurable.
 ACTIVATION_MODES = {
     kInt8StaticChannelSym: ("int16", "exact integer products, 81-92 dB against fp32 activations"),
     kInt4StaticGroup128Sym: ("int8", "33-44 dB against fp32 activations, under INT4's own ~19 dB"),
@@ -167,7 +167,7 @@ def linear(x: torch.Tensor, weight: QTensor, activation, bias: torch.Tensor | No
         x = fake_quantize(x, activation).to(x.dtype)
     weight = prepare_weight("linear", weight)
     if x.shape[0] > kernel_max_m(weight):
-        out = _dequantized_matmul(x, weight)
+        out = _large_m_matmul(x, weight)
     elif _on_our_kernel(weight):
         return _our_kernel(x, weight, bias)
     else:
@@ -195,7 +195,8 @@ def _contiguous(weight: QTensor) -> QTensor:
     return QTensor(data, scale, None, weight.key, weight.shape, weight.dtype)
 
 
-def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+def _large_m_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+    """Above the kernels' largest M: one matmul on the dequantized weight (INT8's scale after it)."""
     dtype = x.dtype if NATIVE_LOW_PRECISION_MATMUL else torch.float32
     x = _padded(x, weight).to(dtype)
     if weight.key == kInt8StaticChannelSym:  # a per-channel scale commutes with the matmul: scale [M, N]
@@ -227,10 +228,9 @@ def dequantize_int4(weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _aten_kernel(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
-    # fp32 activations go in as bf16: the kernels' fp32 paths are 10-80x slower (4096x4096, 1 thread,
-    # 2026-11-29: INT8 M=1 15.1 -> 1.6 ms, INT4 M=1 77 -> 2.2 ms, INT4 M=16 1237 -> 14.7 ms) and the
-    # rounding costs nothing visible: 51 dB against the exact product of the same quantized weight,
-    # where INT8/INT4 weights themselves sit at ~40/~19 dB against the original.
+    # fp32 activations go in as bf16: the kernels' fp32 paths are 10-80x slower (bench/README.md,
+    # "Measurements behind choices in the code") and the rounding costs nothing visible: 51 dB against
+    # the exact product of the same quantized weight, where INT8/INT4 weights sit at ~40/~19 dB.
     x = _padded(x, weight).to(torch.bfloat16 if x.dtype == torch.float32 else x.dtype)
     scale = weight.scale.to(x.dtype)  # a no-op when the model runs in the weight's dtype
     if weight.key == kInt8StaticChannelSym:
@@ -268,6 +268,9 @@ def graph_linear_op(device_type: str):
     """On CPU, `quantpass::linear_cpu` (a plain torch.library op: the generic `quantpass::linear` is a
     `custom_op`, ~20 us more per call, measured in bench/cpu_decode.py)."""
     return torch.ops.quantpass.linear_cpu.default if device_type == "cpu" else None
+
+
+graph_moe_op = registry.no_graph_op  # MoE goes through the generic quantpass::fused_moe
 
 
 def _graph_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):

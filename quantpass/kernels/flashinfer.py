@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from ..quant_registry.keys import QuantKey, kMxfp8Dynamic, kMxfp8Static
 from ..quant_registry.qtensor import QTensor
+from . import registry
 from .flashinfer_layout import (
     SCALE_BLOCK,
     local_topk_ids,
@@ -121,6 +122,14 @@ def prepare_moe_weights(w13: QTensor, w2: QTensor, gate_up_layout: str) -> tuple
     data13, scale13 = prepare_moe_tensor(w13.data, w13.scale, w13_row_index(w13.data.shape[-2], gate_up_layout))
     data2, scale2 = prepare_moe_tensor(w2.data, w2.scale, shuffle_index(w2.data.shape[-2]))
     return dataclasses.replace(w13, data=data13, scale=scale13), dataclasses.replace(w2, data=data2, scale=scale2)
+
+
+def dequantize_prepared(weight: QTensor, dtype: torch.dtype) -> Tensor:
+    """Not implemented: the swizzled / shuffled layouts are not read back (no grad mode, no restore)."""
+    raise NotImplementedError("backend 'flashinfer' can't turn its weight layout back into a dense tensor")
+
+
+graph_linear_op = graph_moe_op = registry.no_graph_op  # the generic quantpass ops call it
 
 
 def _half_precision(x: Tensor) -> torch.dtype:

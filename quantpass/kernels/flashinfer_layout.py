@@ -20,11 +20,11 @@ import torch.nn.functional as F
 
 from ..quant_registry.formats import quantize
 from ..quant_registry.keys import kMxfp8Dynamic
+from .reference import GATE_UP_LAYOUTS
 
 SCALE_BLOCK = 32  # MX: one e8m0 scale per 32 elements along K
 SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4  # one 512-byte tile of the 128x4 scale layout
 EPILOGUE_TILE_M = 128  # TRT-LLM MXFP8 MoE (flashinfer tests: "128 for MxFp8, 64 for DeepSeekFp8")
-GATE_UP_LAYOUTS = ("concat", "interleaved")  # as reference.gated_activation reads them
 
 
 def round_up(value: int, multiple: int) -> int:

@@ -43,11 +43,17 @@ from ..quant_registry.keys import (
     kNvfp4Static,
 )
 from ..quant_registry.qtensor import QTensor
+from . import registry
 from .flashinfer_layout import swizzle_128x4
 from .native_moe import fused_moe, supports_moe
 from .triton.scheme import FP8_ACCUMULATION
 
-__all__ = ["DEVICES", "fused_moe", "linear", "linear_graph", "supports"]
+__all__ = ["DEVICES", "fused_moe", "graph_linear_op", "linear", "linear_graph", "supports"]
+
+# The backend contract's defaults (kernels/registry.py): the canonical layout, no graph-visible MoE op.
+prepare_weight, prepare_moe_weights = registry.keep_layout, registry.keep_moe_layout
+dequantize_prepared = registry.dequantize_canonical
+graph_moe_op = registry.no_graph_op
 
 DEVICES = (
     "weight-only: any device; FP8 per-tensor/per-row and INT8 W8A8: cpu, cuda (FP8 sm89+); "
@@ -157,8 +163,14 @@ def linear(x: torch.Tensor, weight: QTensor, activation: QuantKey | None, bias: 
     return out.to(x.dtype)
 
 
+def graph_linear_op(device_type: str):
+    """On every device, `linear_graph`: plain torch ops AOTAutograd traces (Inductor fuses the
+    activation quantization into the graph around it)."""
+    return linear_graph
+
+
 def linear_graph(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):
-    """`quantpass::linear`'s arguments as plain torch ops (what `ops.linear_call("native")` returns).
+    """`quantpass::linear`'s arguments as plain torch ops (`graph_linear_op`).
     `backend` is always "native" here; it is in the signature so every backend takes one argument list."""
     from .ops import key_from_arg, weight_view  # ops imports the oracle, which imports this module
 
@@ -171,7 +183,7 @@ def _fp8(x: torch.Tensor, weight: QTensor, xq: QTensor) -> torch.Tensor:
     """Per-tensor or per-row FP8. Bias is added after the GEMM in every path: CUDA's `_scaled_mm`
     takes only a bf16/fp16 bias and none with fp32 output, and Inductor fuses the add anyway."""
     scale_a, scale_b = xq.scale, weight.scale.reshape(1, -1)  # [M or 1, 1], [1, N or 1]
-    if x.device.type == "cpu":  # scalar scales are ~800x slower on CPU (DESIGN.md §7): go row-wise
+    if x.device.type == "cpu":  # scalar scales are ~800x slower on CPU (docs/design.md §7): go row-wise
         scale_a = scale_a.expand(x.shape[0], 1).contiguous()
         scale_b = scale_b.expand(1, weight.shape[0]).contiguous()
     return torch._scaled_mm(

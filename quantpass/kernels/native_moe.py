@@ -7,16 +7,11 @@ token count), then two grouped GEMMs around the gated activation of the referenc
 weight applied in fp32, and the top-k sum. Activation quantization, when the spec has one, is the
 reference's round trip, so this path and `reference` agree to bf16 rounding.
 
-Where it wins: not on this repo's CPU (AMD EPYC, AVX2, no AVX-512/AMX). One thread's CPU time,
-INT8 weight-only, min of 3-5 runs, reference loop / native:
-
-    E=8,  k=2, H=2048, I=1024:  T=1  52 / 112 ms   T=16 115 / 142 ms   T=256  219 /  889 ms
-    E=64, k=8, H=1024, I=512:   T=1  16 / 201 ms   T=16 120 / 251 ms   T=256  317 / 1058 ms
-
-It dequantizes every expert on every call (the loop only the experts hit: a loss at decode), and
-bf16 GEMMs run ~6x slower than fp32 ones on a CPU without AMX (S=512 rows: 526 vs 86 ms; CPU
-`_grouped_mm` is exactly as fast as a per-expert `F.linear` loop in either dtype). So `supports_moe`
-refuses CPU. On CUDA (sm80+) bf16 `_grouped_mm` is a tensor-core kernel: expected near the bf16 MoE
+Where it wins: not on this repo's CPU (AMD EPYC, AVX2, no AVX-512/AMX): 1.2-6x slower than the
+reference's per-expert loop (bench/README.md, "Measurements behind choices in the code"). It
+dequantizes every expert on every call (the loop only the experts hit: a loss at decode), and bf16
+GEMMs run ~6x slower than fp32 ones on a CPU without AMX (CPU `_grouped_mm` is exactly as fast as a
+per-expert `F.linear` loop in either dtype). So `supports_moe` refuses CPU. On CUDA (sm80+) bf16 `_grouped_mm` is a tensor-core kernel: expected near the bf16 MoE
 at prefill and ~2.5x its weight traffic at decode (int8 read + bf16 write + bf16 read) - unmeasured
 here (no GPU); it is a compile-friendly fallback there, the Triton fused MoE the fast path.
 """

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from ..quant_registry.formats import dequantize
 from ..quant_registry.keys import KEYS, QuantKey, needs_input_scale
 from ..quant_registry.qtensor import QTensor
 from . import oracle
@@ -142,34 +141,18 @@ def linear_call(backend: str, device_type: str, differentiable: bool = False):
     backward (graph-visible forms would differentiate through rounding)."""
     if differentiable:
         return torch.ops.quantpass.linear.default
-    if backend == "native":
-        from .native import linear_graph
-
-        return linear_graph
-    module = oracle.backend_module(backend)
-    graph_op = getattr(module, "graph_linear_op", None)  # e.g. a triton_op Inductor can see into
-    if graph_op is not None and (op := graph_op(device_type)) is not None:
-        return op
-    return torch.ops.quantpass.linear.default
+    op = oracle.backend_module(backend).graph_linear_op(device_type)  # e.g. a triton_op Inductor sees into
+    return torch.ops.quantpass.linear.default if op is None else op
 
 
 def moe_call(backend: str, device_type: str, differentiable: bool = False):
-    module = oracle.backend_module(backend)
-    graph_op = getattr(module, "graph_moe_op", None)
-    if not differentiable and graph_op is not None and (op := graph_op(device_type)) is not None:
-        return op
-    return torch.ops.quantpass.fused_moe.default
+    op = None if differentiable else oracle.backend_module(backend).graph_moe_op(device_type)
+    return torch.ops.quantpass.fused_moe.default if op is None else op
 
 
 def dense_weight(backend: str, weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
     """A backend-prepared weight as the dense `[..., N, K]` tensor it stands for."""
-    module = oracle.backend_module(backend)
-    dequantize_prepared = getattr(module, "dequantize_prepared", None)
-    if dequantize_prepared is not None:
-        return dequantize_prepared(weight, dtype)
-    if getattr(module, "prepare_weight", None) is not None or getattr(module, "prepare_moe_weights", None) is not None:
-        raise NotImplementedError(f"backend {backend!r} can't turn its weight layout back into a dense tensor")
-    return dequantize(weight, dtype)
+    return oracle.backend_module(backend).dequantize_prepared(weight, dtype)
 
 
 # Gradients (grad mode on, e.g. adapters on a frozen quantized base): dX comes from the dequantized
@@ -231,14 +214,12 @@ torch.library.register_autograd("quantpass::fused_moe", _moe_backward, setup_con
 
 
 def prepare_weight(backend: str, kind: str, weight: QTensor) -> QTensor:
-    """A backend's own layout of a quantized linear weight (identity unless it defines one)."""
-    prepare = getattr(oracle.backend_module(backend), "prepare_weight", None)
-    return weight if prepare is None else prepare(kind, weight)
+    """A backend's own layout of a quantized linear weight (most keep the canonical one)."""
+    return oracle.backend_module(backend).prepare_weight(kind, weight)
 
 
 def prepare_moe_weights(backend: str, w13: QTensor, w2: QTensor, gate_up_layout: str) -> tuple[QTensor, QTensor]:
-    prepare = getattr(oracle.backend_module(backend), "prepare_moe_weights", None)
-    return (w13, w2) if prepare is None else prepare(w13, w2, gate_up_layout)
+    return oracle.backend_module(backend).prepare_moe_weights(w13, w2, gate_up_layout)
 
 
 @torch.library.custom_op("quantpass::dequantize_weight", mutates_args=())

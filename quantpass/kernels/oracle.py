@@ -3,7 +3,7 @@
 Candidates are data: one literal table per kind, `(weight key, activation key) -> backends in
 priority order`, reordered per device type by `PRIORITY_BY_DEVICE`. Capability lives with each kernel
 module (`supports(kind, capability, weight, activation, problem) -> (ok, reason)`). Precedence
-(DESIGN.md §5): a backend the user named > `QUANTPASS_DISABLED_BACKENDS` > auto priority. A named
+(docs/design.md §5): a backend the user named > `QUANTPASS_DISABLED_BACKENDS` > auto priority. A named
 backend that can't run raises with its reason; auto with nothing left raises listing every rejection.
 
 Two device rules on top of the tables: a backend that says it runs a pair by emulation (its reason
@@ -15,7 +15,6 @@ GPU kernels support them (see `HIP_REFUSAL`).
 from __future__ import annotations
 
 import functools
-import importlib
 import importlib.util
 import logging
 from dataclasses import dataclass, field
@@ -23,81 +22,66 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import envs
-from ..quant_registry.keys import (
-    QuantKey,
-    kFp8Dynamic128Sym,
-    kFp8DynamicTensorSym,
-    kFp8DynamicTokenSym,
-    kFp8Static128BlockSym,
-    kFp8StaticChannelSym,
-    kFp8StaticTensorSym,
-    kInt4StaticGroup128Sym,
-    kInt8DynamicTokenSym,
-    kInt8StaticChannelSym,
-    kMxfp4Static,
-    kMxfp8Dynamic,
-    kMxfp8Static,
-    kNvfp4CalibratedGlobal,
-    kNvfp4Dynamic,
-    kNvfp4Static,
-)
-from ..quant_registry.spec import BACKEND_NAMES, KINDS
+from ..quant_registry import keys as k
+from ..quant_registry.keys import QuantKey
+from ..quant_registry.spec import KINDS
+from .registry import BACKEND_NAMES, BACKENDS
+from .registry import backend as backend_module  # the one registry of backends (kernels/registry.py)
 
 logger = logging.getLogger("quantpass")
 
-BACKENDS = tuple(b for b in BACKEND_NAMES if b != "auto")
 Pair = tuple[QuantKey, "QuantKey | None"]
 
 # fmt: off
 LINEAR_CANDIDATES: dict[Pair, list[str]] = {
-    (kFp8StaticTensorSym,    kFp8DynamicTensorSym): ["native", "triton", "reference"],
-    (kFp8StaticChannelSym,   kFp8DynamicTokenSym):  ["native", "triton", "reference"],
-    (kFp8Static128BlockSym,  kFp8Dynamic128Sym):    ["native", "triton", "reference"],
-    (kMxfp8Static,           kMxfp8Dynamic):        ["flashinfer", "native", "triton", "reference"],
-    (kMxfp4Static,           None):                 ["triton", "native", "reference"],
-    (kMxfp4Static,           kMxfp8Dynamic):        ["triton", "reference"],
-    (kNvfp4Static,           kNvfp4Dynamic):        ["native", "reference"],
-    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["cpu", "native", "triton", "reference"],
-    (kFp8StaticChannelSym,   None):                 ["triton", "native", "reference"],
-    (kInt8StaticChannelSym,  None):                 ["cpu", "triton", "native", "reference"],
-    (kInt4StaticGroup128Sym, None):                 ["cpu", "triton", "native", "reference"],
-    (kNvfp4Static,           None):                 ["triton", "native", "reference"],
+    (k.kFp8StaticTensorSym,    k.kFp8DynamicTensorSym): ["native", "triton", "reference"],
+    (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["native", "triton", "reference"],
+    (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["native", "triton", "reference"],
+    (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "native", "triton", "reference"],
+    (k.kMxfp4Static,           None):                   ["triton", "native", "reference"],
+    (k.kMxfp4Static,           k.kMxfp8Dynamic):        ["triton", "reference"],
+    (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["native", "reference"],
+    (k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym): ["cpu", "native", "triton", "reference"],
+    (k.kFp8StaticChannelSym,   None):                   ["triton", "native", "reference"],
+    (k.kInt8StaticChannelSym,  None):                   ["cpu", "triton", "native", "reference"],
+    (k.kInt4StaticGroup128Sym, None):                   ["cpu", "triton", "native", "reference"],
+    (k.kNvfp4Static,           None):                   ["triton", "native", "reference"],
     # static activation scales (a pre-quantized checkpoint's input_scale): the reference backend only
-    (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
-    (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
-    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
+    (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["reference"],
+    (k.kNvfp4Static,           k.kNvfp4CalibratedGlobal): ["reference"],
+    (k.kFp8Static128BlockSym,  None):                     ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 
 MOE_CANDIDATES: dict[Pair, list[str]] = {
-    (kFp8StaticTensorSym,    kFp8DynamicTensorSym): ["triton", "reference"],
-    (kFp8StaticChannelSym,   kFp8DynamicTokenSym):  ["triton", "reference"],
-    (kFp8Static128BlockSym,  kFp8Dynamic128Sym):    ["triton", "reference"],
-    (kMxfp8Static,           kMxfp8Dynamic):        ["flashinfer", "triton", "reference"],
-    (kMxfp4Static,           None):                 ["triton", "reference"],
-    (kMxfp4Static,           kMxfp8Dynamic):        ["triton", "reference"],
-    (kNvfp4Static,           kNvfp4Dynamic):        ["reference"],
-    (kInt8StaticChannelSym,  kInt8DynamicTokenSym): ["triton", "cpu", "reference"],
-    (kFp8StaticChannelSym,   None):                 ["triton", "reference"],
-    (kInt8StaticChannelSym,  None):                 ["triton", "native", "cpu", "reference"],
-    (kInt4StaticGroup128Sym, None):                 ["triton", "cpu", "reference"],
-    (kNvfp4Static,           None):                 ["triton", "reference"],
-    (kFp8StaticTensorSym,    kFp8StaticTensorSym):    ["reference"],
-    (kNvfp4Static,           kNvfp4CalibratedGlobal): ["reference"],
-    (kFp8Static128BlockSym,  None):                   ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
+    (k.kFp8StaticTensorSym,    k.kFp8DynamicTensorSym): ["triton", "reference"],
+    (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["triton", "reference"],
+    (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["triton", "reference"],
+    (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "triton", "reference"],
+    (k.kMxfp4Static,           None):                   ["triton", "reference"],
+    (k.kMxfp4Static,           k.kMxfp8Dynamic):        ["triton", "reference"],
+    (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["reference"],
+    (k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym): ["triton", "cpu", "reference"],
+    (k.kFp8StaticChannelSym,   None):                   ["triton", "reference"],
+    (k.kInt8StaticChannelSym,  None):                   ["triton", "native", "cpu", "reference"],
+    (k.kInt4StaticGroup128Sym, None):                   ["triton", "cpu", "reference"],
+    (k.kNvfp4Static,           None):                   ["triton", "reference"],
+    (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["reference"],
+    (k.kNvfp4Static,           k.kNvfp4CalibratedGlobal): ["reference"],
+    (k.kFp8Static128BlockSym,  None):                     ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 # fmt: on
 CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
 
 # Platform-gated priorities: the same backends, reordered for one device type. CPU has no FP8
-# matrix units: torch._scaled_mm emulates and ran at the reference's speed (4096x4096, 1 thread,
-# 2026-11-29: 141 vs 147 ms at M=1, 208 vs 220 ms at M=128), while tracing native's activation
+# matrix units: torch._scaled_mm emulates and ran at the reference's speed (bench/README.md,
+# "Measurements behind choices in the code"), while tracing native's activation
 # quantization into every graph made the dense preset compile 1.5x plain Inductor (the opaque
 # reference op: 1.0x). Native stays available by name.
 # fmt: off
 CPU_PRIORITY = {
     "linear": {
-        (kFp8StaticTensorSym,  kFp8DynamicTensorSym): ["reference", "native", "triton"],
-        (kFp8StaticChannelSym, kFp8DynamicTokenSym):  ["reference", "native", "triton"],
+        (k.kFp8StaticTensorSym,  k.kFp8DynamicTensorSym): ["reference", "native", "triton"],
+        (k.kFp8StaticChannelSym, k.kFp8DynamicTokenSym):  ["reference", "native", "triton"],
     },
 }
 # fmt: on
@@ -111,7 +95,7 @@ def candidates(kind: str, pair: Pair, device: str) -> list[str] | None:
 
 
 # Backends the oracle never picks on its own on a device type (a user may still name them):
-# Triton on CPU runs only under the interpreter, ~6 ms per program per K step (DESIGN.md §7).
+# Triton on CPU runs only under the interpreter, ~6 ms per program per K step (docs/design.md §7).
 NOT_AUTO_ON = {"cpu": {"triton"}}
 
 # A `supports` reason starting with this word marks an emulated path (e.g. Triton's tl.dot_scaled
@@ -125,14 +109,6 @@ HIP_REFUSAL = (
     "e4m3fnuz) and are not supported there yet; only the reference backend runs"
 )
 HIP_BACKENDS = frozenset({"reference"})
-
-MODULES = {
-    "reference": "quantpass.kernels.reference",
-    "native": "quantpass.kernels.native",
-    "triton": "quantpass.kernels.triton",
-    "cpu": "quantpass.kernels.cpu",
-    "flashinfer": "quantpass.kernels.flashinfer",
-}
 
 
 @dataclass(frozen=True)
@@ -187,12 +163,6 @@ class Selection:
 
 class NoKernelError(ValueError):
     """No backend can run a site (named one refused, or auto found none)."""
-
-
-def backend_module(name: str):
-    if name not in MODULES:
-        raise ValueError(f"invalid backend {name!r}; valid: {', '.join(sorted(BACKEND_NAMES))}")
-    return importlib.import_module(MODULES[name])
 
 
 def variants(kind: str, backend: str, weight: QuantKey) -> list[QuantKey | None]:

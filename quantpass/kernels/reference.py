@@ -13,10 +13,16 @@ import torch.nn.functional as F
 from ..quant_registry.formats import E4M3_MIN_SCALE, ELEMENTS, _round, dequantize, quantize
 from ..quant_registry.keys import FP4, FP8, QuantKey, kFp8StaticTensorSym, kNvfp4CalibratedGlobal, needs_input_scale
 from ..quant_registry.qtensor import QTensor
+from . import registry
 
 DEVICES = "any"  # and the only backend with static (calibrated) activation scales
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
 GATE_UP_LAYOUTS = ("concat", "interleaved")
+
+# The backend contract's defaults (kernels/registry.py): the canonical layout, no graph-visible op.
+prepare_weight, prepare_moe_weights = registry.keep_layout, registry.keep_moe_layout
+dequantize_prepared = registry.dequantize_canonical
+graph_linear_op = graph_moe_op = registry.no_graph_op
 
 
 def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:

@@ -2,7 +2,7 @@
 
 Quantized weights become new graph inputs (placeholders appended after Dynamo's); each `Binding`
 tells the runtime wrapper how to produce them from the parameters passed on each call, through
-the weight cache. Nothing quantized is baked into the graph. Order of work (docs/design.md):
+the weight cache. Nothing quantized is baked into the graph. Order of work (docs/design.md §2):
 
 1. decide every site (plan), 2. rewrite them all (placeholders without values yet), 3. quantize
 one site at a time in the order the graph runs them, verifying each kind of site on the

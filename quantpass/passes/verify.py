@@ -17,13 +17,13 @@ import torch
 
 from ..distributed import local_tensor
 from ..metrics import sqnr
+from ..quant_registry import named_formats
 from ..quant_registry.formats import ELEMENTS
 from ..quant_registry.keys import needs_input_scale
 from ..weight_cache import WEIGHTS
 
 logger = logging.getLogger("quantpass")
 
-FLOOR_DB = {8: 20.0, 4: 10.0}  # by the narrowest quantized operand's bits
 VERIFY_ROWS = 32  # activation rows a site is verified on
 
 
@@ -32,8 +32,7 @@ class QuantizationError(RuntimeError):
 
 
 def floor_db(q) -> float:
-    bits = [q.spec.weight.bits] + ([q.spec.activation.bits] if q.spec.activation is not None else [])
-    return FLOOR_DB[min(bits)]
+    return named_formats.floor_db(q.spec.weight, q.spec.activation)
 
 
 def verify_token(q, example_inputs) -> tuple:

@@ -17,12 +17,11 @@ import torch.nn.functional as F
 
 from ..kernels import ops
 from ..kernels.oracle import Problem
+from .moe_subgraph import LINEAR_TARGETS, ROUTER_HOPS, argument
 from .site import ParamRef, Site, param_refs
 
-LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 MATMUL_TARGETS = {operator.matmul, torch.matmul}
 ADDMM_TARGETS = {torch.addmm}
-ROUTER_HOPS = 4  # a linear whose output reaches `topk` within this many nodes is an MoE router
 
 
 @dataclass
@@ -100,18 +99,12 @@ def _strip_transpose(node) -> tuple[fx.Node, bool]:
     return node, False
 
 
-def _arg(node: fx.Node, index: int, name: str, default=None):
-    if len(node.args) > index:
-        return node.args[index]
-    return node.kwargs.get(name, default)
-
-
 def _match(node: fx.Node):
     """(x, weight operand, weight is stored [K, N], bias) for a linear-like node, else None."""
     if node.op != "call_function":
         return None
     if node.target in LINEAR_TARGETS:
-        return _arg(node, 0, "input"), _arg(node, 1, "weight"), False, _arg(node, 2, "bias")
+        return argument(node, 0, "input"), argument(node, 1, "weight"), False, argument(node, 2, "bias")
     if node.target in MATMUL_TARGETS:
         weight, transposed = _strip_transpose(node.args[1])
         return node.args[0], weight, not transposed, None
@@ -131,6 +124,7 @@ def _module_fqn(node: fx.Node, fallback: str) -> str:
 
 
 def _feeds_topk(node: fx.Node, hops: int = ROUTER_HOPS) -> bool:
+    """A linear whose output reaches `topk` within `hops` nodes is an MoE router."""
     frontier = list(node.users)
     for _ in range(hops):
         if any(u.target in (torch.topk, "topk") for u in frontier):
@@ -174,4 +168,6 @@ def find_linear_sites(graph: fx.Graph, example_inputs, claimed=frozenset(), expe
         elif _feeds_topk(node):
             site.default_ignore = "MoE router: its outputs pick experts"
         sites.append(site)
-    return sites
+    from .attention import find_attention_sites  # its sites are linear sites: a cycle
+
+    return sites + find_attention_sites(graph, params, claimed)

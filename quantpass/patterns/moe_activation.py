@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from ..kernels.reference import ACTIVATIONS, GATE_UP_LAYOUTS, gated_activation
 from ..passes.fx_utils import mutated
-from .moe_subgraph import op_name, shape, value
+from .moe_subgraph import argument, op_name, shape, value
 
 Term = tuple  # (op, *operands); an operand is a Term, a float constant, None or a string
 ALIASES = {"div": "truediv", "true_divide": "truediv", "multiply": "mul", "subtract": "sub", "clip": "clamp"}
@@ -253,18 +253,13 @@ def _chunk(node, name, operand):
 
 
 def _split(node, name, operand):
-    source, size, dim = node.args[0], _arg(node, 1, ("split_size", "split_size_or_sections")), _arg(node, 2, ("dim",))
+    source, dim = node.args[0], argument(node, 2, "dim")
+    size = argument(node, 1, ("split_size", "split_size_or_sections"))
     width = (shape(source) or (None,))[-1]
     half = width // 2 if isinstance(width, int) and width % 2 == 0 else None
     if half is None or size not in (half, [half, half], (half, half)) or not _last_dim(node, source, dim or 0):
         raise NotAnActivation(f"{node.name}: split({size}, dim={dim}) does not halve the last dim")
     return ("pair", operand(source), "concat")
-
-
-def _arg(node, index, names):
-    if len(node.args) > index:
-        return node.args[index]
-    return next((node.kwargs[n] for n in names if n in node.kwargs), None)
 
 
 def _getitem(node, name, operand):

@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import re
 
-import torch
 import torch.fx as fx
-import torch.nn.functional as F
 
-from .moe_subgraph import is_cast, op_name, shape
+from .moe_subgraph import LINEAR_TARGETS, ROUTER_HOPS, is_cast, op_name, shape
 
 INDEXED = re.compile(r"^(?P<experts>.+)\.(?P<index>\d+)\.(?P<rest>[^\d].*)$")  # greedy: the last index
-LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 INPUT_HOPS = 4  # hidden[None, top_x].reshape(-1, H): a couple of row gathers and views
 COMBINE_HOPS = 4  # expert output * routing_weights[top_x, idx, None]: within a few nodes
-ROUTER_HOPS = 6  # routing_weights[...] <- to <- itruediv <- getitem <- topk
 ROW_OPS = {"getitem", "reshape", "view", "index_select", "unsqueeze", "squeeze"}
 
 

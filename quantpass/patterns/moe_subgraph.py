@@ -19,6 +19,11 @@ GROUPED_MM_TARGETS = {
     torch.ops.aten._grouped_mm.default,
 }
 GROUPED_MM_OPS = {"transformers.grouped_mm_fallback", "transformers.grouped_mm_fallback.default"}
+LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
+# How many nodes routing may take between a value and `topk`: a router linear's output reaches it
+# (linear -> softmax -> topk), and a routing weight derives from it (routing_weights[...] <- to <-
+# itruediv <- getitem <- topk), within this many.
+ROUTER_HOPS = 6
 
 
 def value(node):
@@ -47,9 +52,11 @@ def op_name(node: fx.Node) -> str | None:
     return None
 
 
-def argument(node: fx.Node, index: int, name: str, default=None):
-    """A call's argument given by position `index` or keyword `name`."""
-    return node.args[index] if len(node.args) > index else node.kwargs.get(name, default)
+def argument(node: fx.Node, index: int, name: str | tuple[str, ...], default=None):
+    """A call's argument given by position `index` or keyword `name` (or any of several names)."""
+    if len(node.args) > index:
+        return node.args[index]
+    return next((node.kwargs[n] for n in ((name,) if isinstance(name, str) else name) if n in node.kwargs), default)
 
 
 def is_cast(node) -> bool:

@@ -113,34 +113,62 @@ class Site:
         raise NotImplementedError
 
 
-_SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']+)'\]|\[(\d+)\]|\.([A-Za-z_]\w*)")
+_CONTAINERS = ("_modules", "_parameters", "_buffers")
 
 
 def source_fqn(node: fx.Node) -> str | None:
-    """The FQN of a parameter placeholder from Dynamo's source, e.g.
+    """The FQN of a parameter placeholder, read from the structure of Dynamo's source, e.g.
 
-    `L['self']._modules['model']._modules['layers'][0]._parameters['weight']` -> `model.layers.0.weight`.
-    Everything before the first `._modules`/`._parameters`/`._buffers` (the root: `L['self']`,
-    `L['args'][0]`, `G['m']`) is dropped.
+    `L['self']._modules['model']._modules['layers']._modules['0']._parameters['weight']` -> `model.layers.0.weight`.
+    The path starts at the root module (the outermost `NNModuleSource`: `L['self']`, `L['args'][0]`,
+    `G['m']` are dropped). Every spelling Dynamo uses to step into a module names the same part:
+    `._modules['x']`, `.__dict__['_modules']['x']` (a module whose attributes the forward assigned,
+    e.g. Swin's stages), `.__dict__['x']`, `.x`, `object.__getattribute__(m, 'x')`, `[0]`.
     """
     grapharg = node.meta.get("grapharg")
     source = getattr(grapharg, "source", None)
     if source is None:  # Dynamo drops `grapharg` once the backend returns: decode the node's name
         return _name_fqn(str(node.target))
-    name = source.name() if callable(source.name) else source.name
-    start = re.search(r"\._(?:modules|parameters|buffers)\[", name)
-    if start is None:
+    return _path_fqn(source)
+
+
+def _path_fqn(source) -> str | None:
+    """`source`'s path below its root module, or None (no module in the chain, or a step that is no
+    attribute or item access)."""
+    from torch._dynamo import source as ds
+
+    chain = []
+    while source is not None:
+        chain.append(source)
+        source = getattr(source, "base", None)
+    chain.reverse()
+    root = next((i for i, s in enumerate(chain) if isinstance(s, ds.NNModuleSource)), None)
+    if root is None:
         return None
-    parts = [next(g for g in m.groups() if g is not None) for m in _SOURCE_PART.finditer(name, start.start())]
-    return ".".join(parts)
+    parts: list[str] = []
+    for step in chain[root + 1 :]:
+        if isinstance(step, ds.NNModuleSource):
+            continue
+        if isinstance(step, (ds.AttrSource, ds.GenericAttrSource)):
+            parts.append(step.member)
+        elif isinstance(step, (ds.DictGetItemSource, ds.DictSubclassGetItemSource, ds.GetItemSource)):
+            if isinstance(step.index, ds.Source) or getattr(step, "index_is_slice", False):
+                return None
+            parts.append(str(step.index))
+        else:
+            return None
+    # `__dict__['x']` is `.x`; `._modules['x']` (also reached as `__dict__['_modules']['x']`) is `.x`
+    parts = [p for i, p in enumerate(parts) if not (p == "__dict__" and i + 1 < len(parts))]
+    parts = [p for i, p in enumerate(parts) if not (p in _CONTAINERS and i + 1 < len(parts))]
+    return ".".join(parts) or None
 
 
 def _name_fqn(name: str) -> str | None:
-    """`L_self_modules_model_modules_layers_modules_0_parameters_weight_` -> `model.layers.0.weight`."""
-    match = re.search(r"_(?:modules|parameters|buffers)_(.+?)_?$", name)
+    """`L_self_modules_model_modules_layers_modules_0_dict_modules_fc_parameters_weight_` -> `model.layers.0.fc.weight`."""
+    match = re.search(r"_(?:dict_)?(?:modules|parameters|buffers)_(.+?)_?$", name)
     if match is None:
         return None
-    return re.sub(r"_(?:modules|parameters|buffers)_", ".", match.group(1))
+    return re.sub(r"_(?:dict_)?(?:modules|parameters|buffers)_", ".", match.group(1))
 
 
 def param_refs(graph: fx.Graph, example_inputs) -> dict[fx.Node, ParamRef]:

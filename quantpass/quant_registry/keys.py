@@ -1,6 +1,6 @@
 """QuantKey: what a quantized operand is made of (element dtype, scales, grouping).
 
-Convention (DESIGN.md §4): a group shape is (rows, cols) in the operand's own layout, `-1` meaning
+Convention (docs/design.md §4): a group shape is (rows, cols) in the operand's own layout, `-1` meaning
 the whole extent. Activations are `[M, K]`, weights `[N, K]` as in `nn.Linear`, so per-token
 activations and per-output-channel weights are both `(1, -1)`. Weights use static keys (scales
 computed once from the weight), activations dynamic keys (scales computed per call).
@@ -129,6 +129,21 @@ KEYS: dict[str, QuantKey] = {
     name: value for name, value in dict(globals()).items() if name.startswith("k") and isinstance(value, QuantKey)
 }
 KEY_NAMES: dict[QuantKey, str] = {key: name for name, key in KEYS.items()}
+
+
+def register_key(name: str, key: QuantKey) -> QuantKey:
+    """Name a new key (graph ops carry keys by name): `k<Name>`, unique, the key not yet named."""
+    if not name.startswith("k") or name in KEYS or key in KEY_NAMES:
+        taken = KEY_NAMES.get(key, name if name in KEYS else None)
+        raise ValueError(f"invalid key name {name!r}: names start with 'k' and are unique (taken: {taken})")
+    KEYS[name], KEY_NAMES[key] = key, name
+    return key
+
+
+def unregister_key(name: str) -> None:
+    if name not in KEYS:
+        raise ValueError(f"invalid key name {name!r}; valid: {', '.join(KEYS)}")
+    del KEY_NAMES[KEYS.pop(name)]
 
 
 STATIC_ACTIVATION_KEYS = frozenset({kFp8StaticTensorSym, kNvfp4CalibratedGlobal})

@@ -12,63 +12,16 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from .keys import (
-    KEYS,
-    STATIC_ACTIVATION_KEYS,
-    QuantKey,
-    kFp8Dynamic128Sym,
-    kFp8DynamicTensorSym,
-    kFp8DynamicTokenSym,
-    kFp8Static128BlockSym,
-    kFp8StaticChannelSym,
-    kFp8StaticTensorSym,
-    kInt4StaticGroup128Sym,
-    kInt8DynamicTokenSym,
-    kInt8StaticChannelSym,
-    kMxfp4Dynamic,
-    kMxfp4Static,
-    kMxfp8Dynamic,
-    kMxfp8Static,
-    kNvfp4Dynamic,
-    kNvfp4Static,
-)
+from ..kernels.registry import BACKEND_NAMES  # names only: imports no kernel
+from .keys import KEYS, STATIC_ACTIVATION_KEYS, QuantKey
+from .named_formats import DEFAULT_ACTIVATION, ROLE_NAMES, SHORTHANDS  # views of the one format table
 
 KINDS = ("linear", "moe")
-BACKEND_NAMES = ("auto", "cpu", "flashinfer", "native", "reference", "triton")
 ROLES = ("weight", "activation")
 
-# Role-aware names: name -> (weight key, activation key). `quant_key(name, role)` reads this.
-ROLE_NAMES: dict[str, tuple[QuantKey | None, QuantKey | None]] = {
-    "fp8_per_tensor": (kFp8StaticTensorSym, kFp8DynamicTensorSym),
-    "fp8_per_channel": (kFp8StaticChannelSym, kFp8DynamicTokenSym),
-    "fp8_per_token": (kFp8StaticChannelSym, kFp8DynamicTokenSym),
-    "fp8_per_block": (kFp8Static128BlockSym, kFp8Dynamic128Sym),
-    "mxfp8": (kMxfp8Static, kMxfp8Dynamic),
-    "mxfp4": (kMxfp4Static, kMxfp4Dynamic),
-    "nvfp4": (kNvfp4Static, kNvfp4Dynamic),
-    "int8_per_channel": (kInt8StaticChannelSym, kInt8DynamicTokenSym),
-    "int8_per_token": (kInt8StaticChannelSym, kInt8DynamicTokenSym),
-    "int4_per_group": (kInt4StaticGroup128Sym, None),
-}
 
-# Shorthands: a config slot given one of these strings gets both keys. Order matters: the first
-# row with a given weight key supplies that key's default activation (DEFAULT_ACTIVATION).
-SHORTHANDS: dict[str, tuple[QuantKey, QuantKey | None]] = {
-    "fp8_per_tensor": (kFp8StaticTensorSym, kFp8DynamicTensorSym),
-    "fp8_per_channel": (kFp8StaticChannelSym, kFp8DynamicTokenSym),
-    "fp8_per_block": (kFp8Static128BlockSym, kFp8Dynamic128Sym),
-    "mxfp8": (kMxfp8Static, kMxfp8Dynamic),
-    "nvfp4": (kNvfp4Static, kNvfp4Dynamic),
-    "int8_per_channel": (kInt8StaticChannelSym, kInt8DynamicTokenSym),
-    "mxfp4": (kMxfp4Static, None),
-    "fp8_weight_only": (kFp8StaticChannelSym, None),
-    "int8_weight_only": (kInt8StaticChannelSym, None),
-    "int4_weight_only": (kInt4StaticGroup128Sym, None),
-    "nvfp4_weight_only": (kNvfp4Static, None),
-}
-DEFAULT_ACTIVATION: dict[QuantKey, QuantKey | None] = {}
-for _weight, _activation in SHORTHANDS.values():
-    DEFAULT_ACTIVATION.setdefault(_weight, _activation)
+class WeightFormatConflict(ValueError):
+    """A config asks a pre-quantized layer for another weight format (without requantize)."""
 
 
 def _invalid(field: str, value, valid: Iterable[str]) -> ValueError:
@@ -265,7 +218,7 @@ class QuantizationConfig:
         if "weight" in spec.fields_set and spec.weight != declared.weight:
             if requantize:
                 return spec, f"{reason} (re-quantized from the {source} weights)"
-            raise ValueError(
+            raise WeightFormatConflict(
                 f"layer {fqn!r}: the {source} weights are {declared.weight}; {reason} asks for {spec.weight}: "
                 "drop it, or pass requantize=True to quantize again from the dequantized weights"
             )

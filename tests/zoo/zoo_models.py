@@ -151,6 +151,17 @@ class SelfAttention(nn.Module):
         return self.attn(x, x, x, need_weights=False)[0]
 
 
+class DecoderLayer(nn.Module):
+    """`nn.TransformerDecoderLayer`: self-attention, then cross-attention on a memory (key = value)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.TransformerDecoderLayer(64, 4, dim_feedforward=128, batch_first=True)
+
+    def forward(self, tgt, memory):
+        return self.layer(tgt, memory)
+
+
 class LinearTwice(nn.Module):
     """One Linear called twice in a forward: `head(x) + head(2 * x)`."""
 
@@ -185,8 +196,8 @@ def _torch(module_class, **kwargs):
     return build
 
 
-def activations(name: str = "input", length: int = LENGTH) -> Callable[[], dict]:
-    return lambda: {name: torch.randn(BATCH, length, 64, generator=torch.Generator().manual_seed(4))}
+def activations(name: str = "input", length: int = LENGTH, seed: int = 4) -> Callable[[], dict]:
+    return lambda: {name: torch.randn(BATCH, length, 64, generator=torch.Generator().manual_seed(seed))}
 
 
 AUTO_LM, AUTO = tf.AutoModelForCausalLM, tf.AutoModel
@@ -429,5 +440,11 @@ ARCHS = [
     Arch("multihead_attention", "torch", _torch(SelfAttention), activations("x")),
     Arch("linear_twice", "torch", _torch(LinearTwice), activations("x")),
     Arch("shared_block", "torch", _torch(SharedBlock), activations("x")),
+    Arch(
+        "transformer_decoder_layer",
+        "torch",
+        _torch(DecoderLayer),
+        lambda: {**activations("tgt", length=5, seed=6)(), **activations("memory")()},
+    ),
 ]
 BY_NAME = {arch.name: arch for arch in ARCHS}

@@ -50,18 +50,8 @@ NOT_A_LAYER = (nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 # format) or (architecture, format) -> its causes, in the order they bite. The tests mark these
 # cells xfail(strict=True), so a fix flips them to a failure until the entry goes; the doc lists the
 # causes once and names them in the failing rows.
-CAUSES = {
-    "dict-source-names": "layers Dynamo reaches through `__dict__['_modules']` (Swin's 2nd stage) get "
-    "misnamed plan rows (`blocks.0.__dict__.q_proj`): patterns/site.py source_fqn drops those parts, so "
-    "targets/ignore patterns miss them",
-    "opaque-mha": "nn.MultiheadAttention stays one opaque call (F.multi_head_attention_forward, or the "
-    "_transformer_encoder_layer_fwd fast path) that no linear pattern matches: unquantized, no plan row",
-}
-KNOWN_FAILURES = {
-    "swin": ("dict-source-names",),
-    "multihead_attention": ("opaque-mha",),
-    "transformer_encoder_layer": ("opaque-mha",),
-}
+CAUSES: dict[str, str] = {}  # none today: swin's dict-source-names and the torch shapes' opaque-mha are fixed
+KNOWN_FAILURES: dict[str | tuple[str, str], tuple[str, ...]] = {}
 
 
 def known_causes(arch: str, fmt: str) -> tuple[str, ...]:

@@ -47,6 +47,8 @@ def floors_text() -> str:
 
 
 def causes_table() -> str:
+    if not CAUSES:
+        return "None: every cell conforms."
     rows = []
     for cause, text in CAUSES.items():
         archs = sorted({key if isinstance(key, str) else key[0] for key, c in KNOWN_FAILURES.items() if cause in c})

@@ -10,7 +10,7 @@ SM100 and upcast to bf16 by Triton before the MMA below it. On CPU only under Tr
 (`TRITON_INTERPRET=1`), which the oracle never picks by itself: it is for tests. No shape rules:
 weights arrive with K padded to their group (formats.py) and every load is masked, so any M, N, K.
 
-This module imports no triton at import time (DESIGN.md §3): kernels live in submodules loaded on
+This module imports no triton at import time (docs/design.md §5): kernels live in submodules loaded on
 first use. On CUDA the graph ops are `torch.library.triton_op`s, so Inductor sees the kernels.
 """
 
@@ -22,6 +22,7 @@ import torch
 
 from ...quant_registry.keys import QuantKey
 from ...quant_registry.qtensor import QTensor
+from .. import registry
 from ..reference import ACTIVATIONS
 from .scheme import GemmScheme, activation_scheme, gemm_scheme
 
@@ -81,6 +82,11 @@ def _has_e4m3(scheme: GemmScheme) -> bool:
     return scheme.a_format == "fp8" or scheme.b_format == "fp8" or scheme.has_scale2  # NVFP4: e4m3 scales
 
 
+# The backend contract's defaults (kernels/registry.py): the kernels read the canonical layout.
+prepare_weight, prepare_moe_weights = registry.keep_layout, registry.keep_moe_layout
+dequantize_prepared = registry.dequantize_canonical
+
+
 def linear(x2d: torch.Tensor, weight: QTensor, activation_key: QuantKey | None, bias: torch.Tensor | None):
     """x [M, K] @ weight [N, K]^T (+ bias) -> [M, N] in x.dtype: quantize the activation, then the GEMM."""
     from .gemm import quantized_matmul
@@ -104,7 +110,7 @@ def graph_linear_op(device_type: str):
 
 def graph_moe_op(device_type: str):
     """On CUDA, a `triton_op` with `quantpass::fused_moe`'s arguments; elsewhere None (the generic
-    custom op then calls `fused_moe`: DESIGN.md §7, triton_op can't be compiled on CPU)."""
+    custom op then calls `fused_moe`: triton_op can't be compiled on CPU, docs/design.md §7)."""
     return _graph_ops()[1] if device_type == "cuda" else None
 
 

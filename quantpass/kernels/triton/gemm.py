@@ -12,7 +12,7 @@ run time. Where each scale is applied:
 - MX e8m0 scales by `tl.dot_scaled` itself (native on SM100, upcast by Triton below);
 - weight-only K-group scales (INT4 per 128, NVFP4 per 16) on the dequantized tile before `tl.dot`.
 
-Routed mode (fused MoE, DESIGN.md §6): rows come from `moe_align`'s `sorted_ids` (pair ids
+Routed mode (fused MoE, docs/design.md §6): rows come from `moe_align`'s `sorted_ids` (pair ids
 `token * top_k + slot`, padded per expert with the sentinel `num_pairs`), each BLOCK_M block reads
 one expert's weights (`expert_ids`; -1 = the expert lives elsewhere: the block writes zeros), A's
 row is `pair // TOP_K`, C's row is the pair. Row and expert offsets are int64: `pair * stride` and

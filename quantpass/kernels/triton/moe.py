@@ -1,4 +1,4 @@
-"""Fused MoE on the routed GEMM (DESIGN.md §6): the experts of one layer, routing already done.
+"""Fused MoE on the routed GEMM (docs/design.md §6): the experts of one layer, routing already done.
 
     hidden [T, H] --quantize--> routed GEMM1 (w13 [E, 2I, H], + b13, gated activation in the
       epilogue) --> [T*k, I] --quantize--> routed GEMM2 (w2 [E, H, I], + b2, x router weight)
