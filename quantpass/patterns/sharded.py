@@ -23,9 +23,8 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..distributed import is_dtensor
-from .moe_subgraph import op_name, value
+from .moe_subgraph import LINEAR_TARGETS, op_name, value
 
-LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 # Ops whose result may share storage with their first operand (casts to the same dtype included).
 MAY_ALIAS = {"to", "type", "float", "view", "view_as", "reshape", "contiguous", "flatten", "unsqueeze", "squeeze",
              "expand", "transpose", "permute", "t", "getitem", "narrow", "as_strided", "detach"}  # fmt: skip
