@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .distributed import like_param, local_tensor
 from .quant_registry.qtensor import QTensor
 
 logger = logging.getLogger("quantpass")
@@ -52,6 +53,7 @@ class ParamRecord:
 
 
 def _state(param: torch.Tensor, inference: bool) -> tuple[int, int]:
+    param = local_tensor(param)  # a DTensor's shard: its own storage, version and address
     return (0 if inference else param._version, param.data_ptr())
 
 
@@ -69,7 +71,8 @@ class WeightCache:
         record = self._records.get(id(param))
         if record is None:
             inference = param.is_inference()
-            record = ParamRecord(weakref.ref(param), _state(param, inference), param.untyped_storage(), inference)
+            storage = local_tensor(param).untyped_storage()
+            record = ParamRecord(weakref.ref(param), _state(param, inference), storage, inference)
             self._records[id(param)] = record
             self._finalizers[id(param)] = weakref.finalize(param, self._forget, id(param))
         return record
@@ -83,7 +86,7 @@ class WeightCache:
         return record.generation
 
     def _changed(self, param, record: ParamRecord, state) -> None:
-        record.state, record.storage = state, param.untyped_storage()
+        record.state, record.storage = state, local_tensor(param).untyped_storage()
         record.generation += 1
         record.released = record.storage.nbytes() == 0 and param.numel() > 0
         if not record.released:  # new data: quantized copies of the old data are stale
@@ -144,20 +147,21 @@ class WeightCache:
         """Free the parameter's storage; it must hold a canonical value. False when it can't be freed
         because other tensors may share its storage (a view, or a storage larger than the tensor). A
         storage that can't be resized (torch.load, a file mapped into memory) is first swapped for a
-        private copy, which is then freed."""
+        private copy, which is then freed. A DTensor's local shard is what is freed."""
         record = self.record(param)
         if record.released:
             return True
         if not record.canonical:
             raise RuntimeError("quantpass: release() needs the parameter's quantized value first")
-        storage = param.untyped_storage()
-        if param.storage_offset() != 0 or storage.nbytes() != param.numel() * param.element_size():
+        local = local_tensor(param)
+        storage = local.untyped_storage()
+        if local.storage_offset() != 0 or storage.nbytes() != local.numel() * local.element_size():
             return False
         self.generation(param)  # fold any change made before now into the record
         if not storage.resizable():  # move to one we may free
             with torch.no_grad():
-                param.set_(storage.clone(), 0, param.shape, param.stride())
-            storage = param.untyped_storage()
+                local.set_(storage.clone(), 0, local.shape, local.stride())
+            storage = local.untyped_storage()
         storage.resize_(0)
         record.state, record.storage, record.released = _state(param, record.inference), storage, True
         self.release_epoch += 1
@@ -175,17 +179,17 @@ class WeightCache:
 
         (_, transposed), value = next(iter(self._records[id(param)].canonical.items()))
         dense = dequantize(value, param.dtype)
-        return (dense.transpose(-2, -1) if transposed else dense).to(param.device)
+        return like_param(param, (dense.transpose(-2, -1) if transposed else dense).to(param.device))
 
     def restore(self, param: torch.Tensor) -> None:
         """Give a released parameter its values back, dequantized from its canonical value. Its
         quantized copies stay valid (they were made from these values)."""
         record = self._records[id(param)]
-        dense = self.dense(param)
-        storage = param.untyped_storage()
-        storage.resize_(param.numel() * param.element_size())
+        dense, local = local_tensor(self.dense(param)), local_tensor(param)
+        storage = local.untyped_storage()
+        storage.resize_(local.numel() * local.element_size())
         with torch.no_grad():
-            param.data.copy_(dense)  # through .data: no version bump, the quantized copies stay valid
+            local.data.copy_(dense)  # through .data: no version bump, the quantized copies stay valid
         for name in ("__deepcopy__", "__reduce_ex__"):
             param.__dict__.pop(name, None)
         record.state, record.storage, record.released = _state(param, record.inference), storage, False

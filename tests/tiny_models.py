@@ -7,10 +7,10 @@ import torch.nn as nn
 import transformers
 
 
-def tiny_llama(layers: int = 2, seed: int = 0, dtype=torch.float32) -> nn.Module:
+def tiny_llama(layers: int = 2, seed: int = 0, dtype=torch.float32, intermediate_size: int = 160) -> nn.Module:
     config = transformers.LlamaConfig(
         hidden_size=64,
-        intermediate_size=160,  # 160: not a multiple of 128, exercises padded groups
+        intermediate_size=intermediate_size,  # 160: not a multiple of 128, exercises padded groups
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

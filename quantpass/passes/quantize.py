@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..distributed import adapt_sites, check_shards, local_tensor, normalize
 from ..kernels.ops import op_tensors
 from ..kernels.oracle import Capability, NoKernelError
 from ..patterns.linear import find_linear_sites
@@ -89,7 +90,8 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
         rows = [
             PlanRow(fqn, "moe", None, None, None, f"left to the linear pass: {why}") for fqn, why in matches.unproven
         ]
-    return [*moe_sites, *find_linear_sites(graph, example_inputs, claimed, expert_linears)], rows
+    sites = [*moe_sites, *find_linear_sites(graph, example_inputs, claimed, expert_linears)]
+    return adapt_sites(sites, example_inputs), rows
 
 
 def _value(node) -> torch.Tensor | None:
@@ -138,7 +140,7 @@ def plan_sites(
             spec, selection = site.choose_backend(spec, capability, config.backend_for(site.kind))
         except NoKernelError as e:
             raise NoKernelError(f"layer {site.fqn!r}: {e}") from None
-        notes = "".join(f"; {note}" for note in site.notes)
+        notes = "".join(f"; {note}" for note in [*site.notes, *check_shards(site, values, spec)])
         if grad_enabled and any(v.requires_grad for v in values):
             notes += "; weight requires grad: inputs get gradients through the dequantized weight, the weight none"
         row = PlanRow(
@@ -222,7 +224,7 @@ def _rewrite(graph: fx.Graph, chosen: list[QuantizedSite], differentiable: bool)
 
 def _raw_params(graph: fx.Graph, example_inputs) -> list[int]:
     """Indices of the parameter inputs the graph reads as they are (not through a quantized site)."""
-    return [ref.index for node, ref in param_refs(graph, example_inputs).items() if node.users]
+    return sorted({ref.index for node, ref in param_refs(graph, example_inputs).items() if node.users})
 
 
 def quantize_graph(
@@ -236,6 +238,7 @@ def quantize_graph(
     verified: set | None = None,
     requantize: bool = False,
 ) -> PassResult:
+    gm = normalize(gm, example_inputs)  # a sharded model's layers spelled on local tensors (a copy)
     new_gm, copies = copy_graph(gm)  # sites are found on (and rewrite) the copy
     sites, rows = find_sites(new_gm.graph, example_inputs)
     decided = plan_sites(sites, example_inputs, config, grad_enabled, requantize)
@@ -268,4 +271,5 @@ def quantize_graph(
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
+    tensor = local_tensor(tensor)  # a sharded weight: this rank's shard
     return tensor.numel() * tensor.element_size()  # not the storage's: a released one holds none

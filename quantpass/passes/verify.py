@@ -15,6 +15,7 @@ import logging
 
 import torch
 
+from ..distributed import local_tensor
 from ..metrics import sqnr
 from ..quant_registry import named_formats
 from ..quant_registry.formats import ELEMENTS
@@ -58,6 +59,7 @@ def verify_site(q, example_inputs, inputs=None, original=None) -> float:
             inputs = site.sample_inputs(_like(example_inputs), values[0].device, values[0].dtype)
             inputs[0] = _calibrated(inputs[0], q, example_inputs)
             values = [WEIGHTS.dense(v) if WEIGHTS.is_released(v) else v for v in values]  # a recompile's
+            values = [local_tensor(v) for v in values]  # a sharded weight: the shard the site computes with
             original = site.run_original(inputs, values)
         quantized = site.run_quantized(inputs, q.binding.qtensors(example_inputs), q.spec, q.backend, q.device_type)
     value = sqnr(original.reshape(quantized.shape), quantized)

@@ -17,6 +17,7 @@ from typing import ClassVar
 import torch
 import torch.fx as fx
 
+from ..distributed import is_dtensor, local_tensor
 from ..kernels.oracle import Capability, Problem, Selection, select
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantSpec
@@ -38,7 +39,8 @@ class ParamRef:
     transposed: bool = False
 
     def matrix(self, value: torch.Tensor) -> torch.Tensor:
-        """The parameter's value in `[..., N, K]` layout."""
+        """The parameter's value in `[..., N, K]` layout (a DTensor's: the shard this rank holds)."""
+        value = local_tensor(value)
         return value.transpose(-2, -1) if self.transposed else value
 
 
@@ -170,10 +172,15 @@ def _name_fqn(name: str) -> str | None:
 
 
 def param_refs(graph: fx.Graph, example_inputs) -> dict[fx.Node, ParamRef]:
-    """Every placeholder bound to an `nn.Parameter`, by node."""
+    """Every placeholder bound to an `nn.Parameter`, by node; for a DTensor parameter, also each
+    `param.to_local()` node (sharded models compute on the local shard: docs/distributed.md)."""
     refs = {}
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     for index, node in enumerate(placeholders):
         if index < len(example_inputs) and isinstance(example_inputs[index], torch.nn.Parameter):
             refs[node] = ParamRef(node, index, source_fqn(node) or node.name)
+            if is_dtensor(example_inputs[index]):
+                for user in node.users:
+                    if user.op == "call_method" and user.target == "to_local" and len(user.args) == 1:
+                        refs[user] = ParamRef(user, index, refs[node].name)
     return refs
