@@ -408,7 +408,11 @@ def _quiet():
 
 
 def _load(args, trained: bool = True):
+    import torch
+
     from .presets import load_model
+
+    torch._dynamo.reset()  # a command starts from Dynamo's empty cache (main() may run twice in a process)
 
     _step(f"loading model {args.model!r}")
     loaded = load_model(args.model, args.dtype, args.device, _step, trained=trained, quantize_on_load=args.load_formats)

@@ -10,6 +10,7 @@ Inductor's on-disk kernel cache (`CompileCost.comparable`).
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import os
 import statistics
@@ -241,7 +242,11 @@ def measure(
     )
 
 
+@functools.cache
 def _plain(lowering: str):
+    """One plain backend per lowering: Dynamo takes two calls' backends as equal only if they are the
+    same object; a new one per call would recompile (and hit Dynamo's recompile limit) every time."""
+
     def plain_backend(gm, example_inputs):
         return lower(gm, example_inputs, lowering)
 
