@@ -21,10 +21,12 @@ from .passes.manager import QuantizePass
 from .passes.quantize import Binding
 from .plan import Plan
 from .quant_registry.spec import QuantizationConfig
-from .weight_cache import WEIGHTS
+from .weight_cache import WEIGHTS, install_eager_guard
 from .weights import graph_owners, hook_owners
 
 logger = logging.getLogger("quantpass")
+
+install_eager_guard()  # before any trace (see its docstring)
 
 CONFIG_OPTIONS = ("linear", "moe", "targets", "ignore", "backend")
 FLAGS = {"verify": True, "keep_original_weights": False, "requantize": False}  # boolean options, defaults

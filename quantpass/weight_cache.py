@@ -165,7 +165,7 @@ class WeightCache:
         storage.resize_(0)
         record.state, record.storage, record.released = _state(param, record.inference), storage, True
         self.release_epoch += 1
-        _guard_eager_use()
+        install_eager_guard()
         # copy.deepcopy / pickle (torch.save(model)) of a released weight: its dequantized value, never
         # freed memory (instance attributes win over Tensor's methods; `restore` removes them)
         ref = weakref.ref(param)
@@ -284,11 +284,13 @@ def return_freed_memory() -> None:
 _EAGER_GUARD: list = []
 
 
-def _guard_eager_use() -> None:
-    """From the first release on, a module that runs eagerly (outside a compiled graph: the user's
-    own `model(x)` to compare, a fallback after a graph break) gets its released weights back
-    before its forward reads them, with a warning; a global forward pre-hook, which compiled code
-    never runs (Dynamo folds `is_compiling()`), costing ~1 us per eager module call."""
+def install_eager_guard() -> None:
+    """A module that runs eagerly (outside a compiled graph: the user's own `model(x)` to compare, a
+    fallback after a graph break) gets its released weights back before its forward reads them,
+    with a warning; a global forward pre-hook, which compiled code never runs (Dynamo folds
+    `is_compiling()`), costing ~1 us per eager module call. Installed when quantpass's backend is
+    imported, before any trace: Dynamo traces module calls differently with a global hook, and a
+    frame whose analysis it restarts after the backend ran (dynamic shapes) must see the same."""
     if not _EAGER_GUARD:
         _EAGER_GUARD.append(torch.nn.modules.module.register_module_forward_pre_hook(_restore_before_eager_use))
         # torch.compile(module) then warns that global hooks fire once more for its wrapper module:

@@ -347,3 +347,30 @@ def test_eager_call_after_compile_gets_released_weights_back(make):
         torch._dynamo.reset()
         again = model(*args)  # eager, on weights restored dequantized
     assert cosine(expected, again) >= FLOOR["int8_weight_only"]
+
+
+class _AttentionThenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.attn, self.lin = nn.MultiheadAttention(64, 4, batch_first=True), nn.Linear(64, 64)
+
+    def forward(self, x, memory):
+        return self.lin(self.attn(x, memory, memory, need_weights=False)[0])
+
+
+@pytest.mark.parametrize("string_backend", [False, True], ids=["qp.backend", "backend='quantpass'"])
+def test_dynamic_shapes_with_attention_compile_once_and_match(string_backend):
+    """dynamic=True: Dynamo restarts the frame's analysis after the backend ran (the dropout float);
+    the first weight release must not change how the retrace sees module calls (it raised
+    SpeculationLogDivergence when the eager guard's global hook appeared only then)."""
+    torch.manual_seed(0)
+    model = _AttentionThenLinear().eval()
+    options = {"linear": "int8_weight_only", "lowering": "aot_eager"}
+    backend = "quantpass" if string_backend else qp.backend(**options)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=backend, options=options if string_backend else None, dynamic=True)
+    with torch.no_grad():
+        for length in (5, 9):
+            x, memory = _randn(2, length, 64, seed=length), _randn(2, length + 2, 64, seed=length + 1)
+            assert cosine(model(x, memory), compiled(x, memory)) >= FLOOR["int8_weight_only"]
+    torch._dynamo.reset()
