@@ -26,14 +26,14 @@ issue's target peak <= held + largest layer; then one compiled call (`aot_eager`
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import json
 import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from results import utc_stamp, write_csv  # bench/results.py (scripts run from bench/)
 
 MODES = ["none", "int8_weight_only", "int4_weight_only", "fp8_per_channel", "mxfp4", "nvfp4", "int8_weight_only+keep"]
 LOAD_MODES = ["load:int8_weight_only", "load:int4_weight_only", "load:nvfp4"]
@@ -176,12 +176,8 @@ def main(argv=None) -> None:
         if any(mode.startswith("load:") for mode in args.modes):
             _child([SAVE, str(args.hidden), str(args.layers), str(args.vocab), checkpoint], "saving the checkpoint")
         rows = [measure(mode, args.hidden, args.layers, args.threads, args.vocab, checkpoint) for mode in args.modes]
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        writer.writeheader()
-        writer.writerows(rows)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    write_csv(args.csv, rows)
+    stamp = utc_stamp()
     print(f"{stamp}, {platform.processor() or platform.machine()}, torch threads {args.threads}, "
           f"Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, bf16, `python bench/memory.py "
           f"{' '.join(argv or sys.argv[1:])}`".rstrip())  # fmt: skip

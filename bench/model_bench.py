@@ -17,7 +17,6 @@ Writes <out>/model_<name>.csv, <out>/model_<name>_compile.csv and <out>/model_<n
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import os
 import platform
@@ -28,6 +27,7 @@ from pathlib import Path
 
 import torch
 import torch._inductor.config  # config.patch below; torch imports Inductor lazily
+from results import write_csv  # bench/results.py (scripts run from bench/)
 
 from quantpass.backend import backend as quantpass_backend
 from quantpass.measure import SEQUENCE_DIM, measure, quantized_copy, time_side_by_side, timed
@@ -133,14 +133,6 @@ def compile_study(model, ids, formats: list[str], repeats: int) -> list[dict]:
                 }
             )
     return rows
-
-
-def write_csv(path: Path, rows: list[dict], header: dict) -> None:
-    fields = list(header) + list(dict.fromkeys(k for r in rows for k in r))
-    with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fields)
-        writer.writeheader()
-        writer.writerows({**header, **r} for r in rows)
 
 
 def plot(path: Path, rows: list[dict], title: str) -> None:

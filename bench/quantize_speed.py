@@ -14,14 +14,13 @@ medians with the spread.
 from __future__ import annotations
 
 import argparse
-import csv
-import datetime
 import platform
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from results import utc_stamp, write_csv  # bench/results.py (scripts run from bench/)
 
 import quantpass as qp
 from quantpass.quant_registry import keys
@@ -129,12 +128,8 @@ def main(argv=None) -> None:
         getattr(torch, args.dtype)
     )
     rows = measure(weight, args.rounds)
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
-    with args.csv.open("w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(dict.fromkeys(k for r in rows for k in r)))
-        writer.writeheader()
-        writer.writerows(rows)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    write_csv(args.csv, rows)
+    stamp = utc_stamp()
     print(f"{stamp}, {platform.processor() or platform.machine()}, {args.threads} thread(s), "
           f"{args.rows}x{args.cols} {args.dtype} weight, {args.rounds} interleaved rounds")  # fmt: skip
     print(table(rows))
