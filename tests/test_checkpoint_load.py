@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 
+import fresh_process
 import pytest
 import torch
 import transformers
@@ -198,17 +199,16 @@ print(json.dumps({"peak": peak, "held": WEIGHTS.nbytes() + unquantized, "largest
 @pytest.mark.parametrize("fmt", ["int8_weight_only", pytest.param("nvfp4", marks=SLOW)])
 def test_quantize_on_load_peak_memory(fmt, tmp_path):
     """Fresh process: peak RSS above the process before loading <= what the loaded model holds plus
-    its largest decoder layer at full precision (measured 2026-12-01: INT8 19.9 MB for 17.9 MB held
-    + 6.8 MB; NVFP4 13.3 MB for 11.9 MB + 6.8 MB; a 31.5 MB bf16 checkpoint)."""
+    its largest decoder layer at full precision (measured 2026-12-01 under `fresh_process.MALLOC`: INT8
+    18.5 MB for 17.9 MB held + 6.8 MB; NVFP4 12.1 MB for 11.9 MB + 6.8 MB; a 31.5 MB bf16 checkpoint)."""
     config = transformers.LlamaConfig(
         hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8,
         num_key_value_heads=8, vocab_size=2048, max_position_embeddings=64,
     )  # fmt: skip
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path), fmt], env=env, capture_output=True,
-                         text=True, timeout=600, check=True)  # fmt: skip
+    command = [sys.executable, "-c", MEMORY_SCRIPT, str(tmp_path), fmt]
+    out = subprocess.run(command, env=fresh_process.env(), capture_output=True, text=True, timeout=600, check=True)
     measured = json.loads(out.stdout.strip().splitlines()[-1])
     assert measured["peak"] <= measured["held"] + measured["largest_layer"], measured
 
