@@ -4,8 +4,8 @@
     python bench/memory.py --modes none int8_weight_only --hidden 512 --layers 2 --csv bench/out/memory.csv
 
 Per mode, a child process imports everything, builds the model from a seeded config (nothing
-downloaded) and then compiles and runs it once (`lowering="aot_eager"`: Inductor's own memory would
-blur the weights'). Columns:
+downloaded) and then compiles and runs it once (`lowering="aot_eager"` unless `--lowering` says
+otherwise: Inductor's own memory would blur the weights', but it is what users run). Columns:
 - *weights MiB*: RSS after the first call minus RSS just before the model was built, minus what the
   `none` mode (unquantized, same compile) holds beyond its parameter bytes (activations, compiled
   code): what the weights cost the process, the issue's "minus a weightless model of the same shape".
@@ -45,13 +45,13 @@ def rss():  # resident set and its peak, bytes
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
-mode, hidden, layers, threads, vocab = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+mode, hidden, layers, threads, vocab, lowering = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
 torch.set_num_threads(threads)
 config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
     num_attention_heads=16, num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=256)
 ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():  # warm the compile machinery on a throwaway model: its memory is not the weights'
-    torch.compile(torch.nn.Linear(64, 64), backend=qp.backend(linear="int8_weight_only", lowering="aot_eager"))(torch.randn(2, 64))
+    torch.compile(torch.nn.Linear(64, 64), backend=qp.backend(linear="int8_weight_only", lowering=lowering))(torch.randn(2, 64))
 torch._dynamo.reset()
 before, _ = rss()
 torch.manual_seed(0)
@@ -60,7 +60,7 @@ param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 built, _ = rss()
 open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM: the peak below is the compile's
 name, _, keep = mode.partition("+")
-options = {"lowering": "aot_eager"} if name == "none" else {"linear": name, "lowering": "aot_eager", "keep_original_weights": bool(keep)}
+options = {"lowering": lowering} if name == "none" else {"linear": name, "lowering": lowering, "keep_original_weights": bool(keep)}
 with torch.no_grad():
     torch.compile(model, backend=qp.backend(**options))(ids)
 after, peak = rss()
@@ -79,7 +79,7 @@ def rss():  # resident set and its peak, bytes
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
-mode, path, threads, vocab = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+mode, path, threads, vocab, lowering = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 fmt = mode.split(":", 1)[1]
 torch.set_num_threads(threads)
 load._build(path, None)  # imports the model's modules: not part of loading
@@ -93,7 +93,7 @@ unquantized = sum(t.untyped_storage().nbytes() for t in [*model.parameters(), *m
 largest_layer = max(sum(p.numel() * p.element_size() for p in layer.parameters()) for layer in model.model.layers)
 ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
 with torch.no_grad():
-    torch.compile(model, backend=qp.backend(lowering="aot_eager"))(ids)
+    torch.compile(model, backend=qp.backend(lowering=lowering))(ids)
 print(json.dumps({"mode": mode, "before": before, "loaded": loaded, "peak": peak, "after": rss()[0],
                   "held": WEIGHTS.nbytes() + unquantized, "largest_layer": largest_layer,
                   "checkpoint": sum(e.nbytes for e in shards.index(path).values())}))
@@ -118,10 +118,10 @@ def _child(args: list[str], what: str) -> dict:
     return json.loads(lines[-1]) if lines else {}
 
 
-def measure(mode: str, hidden: int, layers: int, threads: int, vocab: int, checkpoint: str | None = None) -> dict:
+def measure(mode: str, hidden: int, layers: int, threads: int, vocab: int, lowering: str, checkpoint=None) -> dict:
     if mode.startswith("load:"):
-        return _child([LOAD_CHILD, mode, checkpoint, str(threads), str(vocab)], f"mode {mode}")
-    return _child([CHILD, mode, str(hidden), str(layers), str(threads), str(vocab)], f"mode {mode}")
+        return _child([LOAD_CHILD, mode, checkpoint, str(threads), str(vocab), lowering], f"mode {mode}")
+    return _child([CHILD, mode, str(hidden), str(layers), str(threads), str(vocab), lowering], f"mode {mode}")
 
 
 def table(rows: list[dict]) -> str:
@@ -170,16 +170,20 @@ def main(argv=None) -> None:
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=256, help="small: the embedding and head stay unquantized")
+    parser.add_argument("--lowering", default="aot_eager", help="the backends' lowering (inductor: what users run)")
     parser.add_argument("--csv", type=Path, default=Path("bench/out/memory.csv"))
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="quantpass-memory-") as checkpoint:
         if any(mode.startswith("load:") for mode in args.modes):
             _child([SAVE, str(args.hidden), str(args.layers), str(args.vocab), checkpoint], "saving the checkpoint")
-        rows = [measure(mode, args.hidden, args.layers, args.threads, args.vocab, checkpoint) for mode in args.modes]
+        rows = [
+            measure(mode, args.hidden, args.layers, args.threads, args.vocab, args.lowering, checkpoint)
+            for mode in args.modes
+        ]
     write_csv(args.csv, rows)
     stamp = utc_stamp()
     print(f"{stamp}, {platform.processor() or platform.machine()}, torch threads {args.threads}, "
-          f"Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, bf16, `python bench/memory.py "
+          f"Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, bf16, lowering {args.lowering}, `python bench/memory.py "
           f"{' '.join(argv or sys.argv[1:])}`".rstrip())  # fmt: skip
     tables = [
         make(rows)

@@ -12,6 +12,7 @@ import fresh_process
 import pytest
 import torch
 
+from quantpass.kernels import reference
 from quantpass.quant_registry import formats, keys
 
 WEIGHT_KEYS = {name: key for name, key in sorted(keys.KEYS.items()) if key.static}
@@ -97,3 +98,34 @@ def test_dequantize_in_place_matches_expanded_scales(name, shape):
     rows, cols = values.shape[-2], x.shape[-1]
     expected = (values * formats.expand_scale(qt, rows, values.shape[-1]))[..., :cols].reshape(qt.shape)
     assert torch.equal(formats.dequantize(qt, torch.float32), expected)
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHT_KEYS))
+@pytest.mark.parametrize("shape", [(300, 200), (257, 136)], ids=["odd", "odd-rows"])
+def test_reference_matmul_dequantizes_a_few_rows_at_a_time(name, shape, monkeypatch):
+    """The reference backend's product, its weight dequantized in row steps (a partial last one,
+    steps that cut no row group), matches the whole dequantized weight's product to fp32 rounding
+    (BLAS blocks an [M, N] product differently from its column slices: not bit for bit)."""
+    key, w = WEIGHT_KEYS[name], _weight(*shape)
+    qt = formats.quantize(w, key)
+    x = torch.randn(5, shape[1], generator=torch.Generator().manual_seed(3))
+    whole = x @ formats.dequantize(qt, torch.float32).t()
+    steps, dequantize = [], reference.dequantize
+    monkeypatch.setattr(reference, "DEQUANTIZE_CHUNK", 5000)
+    monkeypatch.setattr(
+        reference, "dequantize", lambda part, dtype: steps.append(part.shape[-2]) or dequantize(part, dtype)
+    )
+    chunked = reference._dequantized_matmul(x, qt)
+    assert len(steps) > 2 and sum(steps) == shape[0], steps
+    group_rows = key.group_shape.row
+    assert group_rows == -1 or all(rows % group_rows == 0 for rows in steps[:-1]), steps
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5 * whole.abs().max().item())
+
+
+def test_a_row_slice_that_splits_a_row_group_is_refused():
+    qt = formats.quantize(_weight(256, 256), keys.kFp8Static128BlockSym)
+    assert torch.equal(
+        formats.dequantize(qt.rows(128, 999), torch.float32), formats.dequantize(qt, torch.float32)[128:]
+    )
+    with pytest.raises(ValueError, match="rows 64:256 split a group of 128 rows"):
+        qt.rows(64, 256)

@@ -63,7 +63,7 @@ STATIC_FAKE_QUANTIZE = {kFp8StaticTensorSym: _fp8_static_per_tensor, kNvfp4Calib
 
 def linear(x: torch.Tensor, weight: QTensor, activation: QuantKey | None, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x.dtype."""
-    out = fake_quantize(x, activation, weight.input_scale) @ dequantize(weight, torch.float32).t()
+    out = _dequantized_matmul(fake_quantize(x, activation, weight.input_scale), weight)
     if bias is not None:
         out = out + bias.float()
     return out.to(x.dtype)
@@ -89,8 +89,25 @@ def gated_activation(h: torch.Tensor, activation: str, gate_up_layout: str, alph
     raise ValueError(f"invalid MoE activation {activation!r}; valid: {', '.join(ACTIVATIONS)}")
 
 
+DEQUANTIZE_CHUNK = 1 << 18  # weight elements dequantized at once: 1 MiB of fp32 in flight
+
+
 def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
-    return x @ dequantize(weight, torch.float32).t()
+    """fp32 x [M, K] @ weight [N, K].T -> fp32 [M, N], the weight dequantized a few rows at a time:
+    a whole fp32 copy per call (11 MiB for a 2816x1024 weight) was freed memory glibc kept, and the
+    process held 1.3-1.8x the quantized weights' size (bench/README.md, "Memory")."""
+    rows, cols = weight.shape[-2:]
+    group_rows = weight.key.group_shape.row
+    step = max(1, DEQUANTIZE_CHUNK // max(cols, 1))
+    if group_rows > 1:
+        step = max(group_rows, step // group_rows * group_rows)
+    if step >= rows:
+        return x @ dequantize(weight, torch.float32).t()
+    out = torch.empty(*x.shape[:-1], rows, dtype=torch.float32, device=x.device)
+    for start in range(0, rows, step):
+        part = weight.rows(start, start + step)
+        out[..., start : start + part.shape[-2]] = x @ dequantize(part, torch.float32).t()
+    return out
 
 
 def fused_moe(

@@ -85,6 +85,7 @@ class _Builder:
     def finish(self) -> None:
         for q in self.chosen:  # not reached by the graph run (or verify off)
             self.site(q)
+        return_freed_memory()  # the build's temporaries, also when nothing was released (keep_original_weights)
         self.progress.close()
 
 

@@ -51,6 +51,17 @@ class QTensor:
             input_scale=input_scale[index] if input_scale is not None and input_scale.dim() else input_scale,
         )
 
+    def rows(self, start: int, stop: int) -> QTensor:
+        """Rows `start:stop` of a `[..., R, C]` tensor with their own scales; `start` must begin a
+        row group (a scale spanning every row, per-tensor or NVFP4's second level, is shared)."""
+        group_rows = self.key.group_shape.row
+        stop = min(stop, self.shape[-2])
+        if group_rows != -1 and start % group_rows:
+            raise ValueError(f"rows {start}:{stop} split a group of {group_rows} rows of {self.key}")
+        scale = self.scale if group_rows == -1 else self.scale[..., start // group_rows : -(-stop // group_rows), :]
+        shape = torch.Size((*self.shape[:-2], stop - start, self.shape[-1]))
+        return QTensor(self.data[..., start:stop, :], scale, self.scale2, self.key, shape, self.dtype, self.input_scale)
+
     def to(self, device) -> QTensor:
         moved = [None if t is None else t.to(device) for t in (*self.tensors(), self.input_scale)]
         return QTensor(*moved[:3], key=self.key, shape=self.shape, dtype=self.dtype, input_scale=moved[3])
