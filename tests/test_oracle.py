@@ -58,8 +58,8 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("moe", "mxfp4", H200, MOE, "triton"),  # emulated, but ahead of the fp32 reference
         ("linear", "mxfp8", CPU, BIG, "reference"),
         ("linear", "nvfp4", CPU, BIG, "reference"),
-        ("linear", "mxfp4", CPU, BIG, "native"),  # weight-only dequant + F.linear
-        ("linear", "mxfp4", CPU_INTERPRETER, BIG, "native"),  # the interpreter is never picked on its own
+        ("linear", "mxfp4", CPU, BIG, "reference"),  # CPU_PRIORITY: faster than native's traced decode
+        ("linear", "mxfp4", CPU_INTERPRETER, BIG, "reference"),  # the interpreter is never picked on its own
         ("moe", "mxfp8", B200, MOE, "flashinfer"),
         ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, activation="swigluoai"), "triton"),
         ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, has_bias=True), "triton"),

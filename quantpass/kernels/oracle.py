@@ -76,12 +76,17 @@ CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
 # matrix units: torch._scaled_mm emulates and ran at the reference's speed (bench/README.md,
 # "Measurements behind choices in the code"), while tracing native's activation
 # quantization into every graph made the dense preset compile 1.5x plain Inductor (the opaque
-# reference op: 1.0x). Native stays available by name.
+# reference op: 1.0x). MXFP4 and NVFP4 weight-only: native's traced e2m1 decode ran 1.3x slower than
+# the reference's at M=1 (even at M=32), compiled 4x slower, and kept ~10 weight-sized temporaries
+# per call without Inductor (both in bench/README.md, "Measurements behind choices in the code").
+# Native stays available by name.
 # fmt: off
 CPU_PRIORITY = {
     "linear": {
         (k.kFp8StaticTensorSym,  k.kFp8DynamicTensorSym): ["reference", "native", "triton"],
         (k.kFp8StaticChannelSym, k.kFp8DynamicTokenSym):  ["reference", "native", "triton"],
+        (k.kMxfp4Static,         None):                   ["reference", "native", "triton"],
+        (k.kNvfp4Static,         None):                   ["reference", "native", "triton"],
     },
 }
 # fmt: on
