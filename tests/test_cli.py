@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantpass import cli
+from quantpass import cli, cli_checks
 from quantpass.cli import main
 from quantpass.envs import ENV_VARS
 from quantpass.report import formats_table
@@ -88,7 +88,7 @@ def test_device_defaults_are_the_formats_with_a_fast_kernel(monkeypatch, device,
 
     capability = oracle.Capability(device, sm, frozenset(libs))
     monkeypatch.setattr(oracle.Capability, "detect", classmethod(lambda cls, _: capability))
-    runs, why = cli.device_defaults(device)
+    runs, why = cli_checks.device_defaults(device)
     assert [label for label, _ in runs] == labels
     assert why.startswith(f"no format given: comparing {' and '.join(labels)} in bfloat16 with the unquantized model")
     assert "\n" not in why
