@@ -17,8 +17,10 @@ No flashinfer import: every function here runs (and is tested) on CPU. Sources o
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
+import torch.nn.functional as F
 
 from ..quant_registry.formats import quantize
 from ..quant_registry.keys import kMxfp8Dynamic
@@ -48,30 +50,24 @@ def _blocked_layout():
 
 def swizzle_128x4(scale: torch.Tensor) -> torch.Tensor:
     """`[..., R, C]` one-byte scales -> `[..., swizzled_scale_len(R, C)]`: torchao's `to_blocked` per
-    matrix (byte (r, c) to (r//128, c//4, r%32, (r%128)//32, c%4) of the zero-padded tiles)."""
+    matrix (byte (r, c) to (r//128, c//4, r%32, (r%128)//32, c%4) of the zero-padded tiles). Padded
+    here first (torchao's own padding allocates with torch.zeros, which fake CUDA tensors refuse on a
+    CPU-only torch): then the matrices' rows stack into whole tiles and take one call."""
     to_blocked, _ = _blocked_layout()
     *batch, rows, cols = scale.shape
-    scale = scale.contiguous()  # to_blocked views its input
-    if not batch:
-        return to_blocked(scale)
-    if rows % SWIZZLE_ROWS == 0 or not scale.numel():  # no tile straddles two matrices: one call
-        return to_blocked(scale.reshape(-1, cols)).reshape(*batch, swizzled_scale_len(rows, cols))
-    return torch.stack([to_blocked(m) for m in scale.reshape(-1, rows, cols)]).reshape(
-        *batch, swizzled_scale_len(rows, cols)
-    )
+    padded = F.pad(scale, (0, -cols % SWIZZLE_COLS, 0, -rows % SWIZZLE_ROWS))  # zero fill
+    stacked = padded.reshape(-1, padded.shape[-1]).contiguous()  # to_blocked views its input
+    return to_blocked(stacked).reshape(*batch, swizzled_scale_len(rows, cols))
 
 
 def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     """Inverse of `swizzle_128x4` (torchao's `from_blocked`): `[..., L]` -> `[..., rows, cols]`."""
     _, from_blocked = _blocked_layout()
-    *batch, length = swizzled.shape
-    swizzled = swizzled.contiguous()
-    if not batch:
-        return from_blocked(swizzled, rows, cols)
-    if rows % SWIZZLE_ROWS == 0 or not swizzled.numel():
-        count = swizzled.numel() // max(length, 1)
-        return from_blocked(swizzled.reshape(-1), count * rows, cols).reshape(*batch, rows, cols)
-    return torch.stack([from_blocked(m, rows, cols) for m in swizzled.reshape(-1, length)]).reshape(*batch, rows, cols)
+    *batch, _ = swizzled.shape
+    padded_rows, padded_cols = round_up(rows, SWIZZLE_ROWS), round_up(cols, SWIZZLE_COLS)
+    matrices = math.prod(batch)
+    padded = from_blocked(swizzled.contiguous().reshape(-1), matrices * padded_rows, padded_cols)
+    return padded.reshape(*batch, padded_rows, padded_cols)[..., :rows, :cols]
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
