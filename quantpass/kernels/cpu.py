@@ -313,8 +313,8 @@ def _(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, o
 # on AVX2 and on x86's unvectorized DEFAULT); block i is a [K, rows_i / 2] byte matrix. A full block
 # on AVX512 / AVX2 puts row q in byte q's low nibble and row BLOCK_N/2 + q in its high nibble
 # ("halves"); a short last block, every block of the DEFAULT kernel and of an MSVC build (its
-# vectorized branches are `!defined(_MSC_VER)`) pair rows 2j, 2j + 1 ("pairs"). Other machines'
-# vector widths differ by torch version: there INT4 stays on aten's kernel at every M.
+# vectorized branches are `!defined(_MSC_VER)`) pair rows 2j, 2j + 1 ("pairs"). Elsewhere BLOCK_N
+# follows that machine's vector width, not checked here: INT4 stays on aten's kernel at every M.
 # tests/test_kernels_native_cpu.py checks every entry against aten's op (ATEN_CPU_CAPABILITY
 # selects each), so a torch that changes the layout fails there instead of being misread.
 INT4_LAYOUTS = {"AVX512": (64, "halves"), "AVX2": (32, "halves"), "DEFAULT": (32, "pairs")}  # x86-64

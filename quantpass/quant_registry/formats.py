@@ -259,8 +259,9 @@ def _quantize_grouped(x: torch.Tensor, key: QuantKey, amax2: torch.Tensor | None
     if key.scale.dtype == E8M0:
         # RCEIL from the raw amax: an all-zero block gets byte 0 (2^-127), as FlashInfer writes it.
         # Not torchao's to_mx(..., RCEIL) (tests/test_formats_torchao.py): same bytes except a block at
-        # byte 0 with nonzero values (amax <= 2^-127 x element max), which torchao scales by 1 (zeros);
-        # and in our chunks 1.3x (MXFP8) / 2x (MXFP4) the CPU time (2048x4096 bf16, 1 thread, 2026-12-01).
+        # byte 0 with nonzero values (amax <= 2^-127 x element max), which torchao scales by 1 (zeros),
+        # at 1.2-1.3x (MXFP8) / 2-2.5x (MXFP4) our thread CPU time, called on our chunks (2048x4096
+        # bf16, 1 thread, two runs 2026-12-01).
         exponent = torch.ceil(torch.log2(group_amax / element.max)).clamp(-127, 127)
         if key.static and element.packed:  # fp4 weights: RCEIL's exponent or the one below, least error
             # (+0.3 dB Gaussian, +0.8 dB Student-t(4) 1024x4096 for MXFP4; MXFP8 gained 0.00: RCEIL)
@@ -268,9 +269,10 @@ def _quantize_grouped(x: torch.Tensor, key: QuantKey, amax2: torch.Tensor | None
             exponent = torch.log2(_lowest_error_scale(groups, candidates, key.dtype))
         scale, stored_scale = torch.exp2(exponent), (exponent + 127).to(torch.uint8)
     elif key.scale.dtype == FP8:  # NVFP4: e4m3 block scales under an fp32 per-matrix scale
-        # Scales as torchao's nvfp4_quantize; its elements use x * ((1 / scale2) / block) where we
-        # divide by block * scale2: one e2m1 step apart within an ulp of a tie (41-402 of 262144), an
-        # all-zero matrix gives it NaN scales (0 / 0, no AMAX_EPS), and 1.8x our CPU time in chunks.
+        # Scales as torchao's nvfp4_quantize unless the matrix's |x| max is under AMAX_EPS (torchao
+        # clamps nothing: an all-zero matrix gets 0 / 0 = NaN block scales). Its elements are x *
+        # ((1 / scale2) / block) where we divide by block * scale2: one e2m1 step apart within an ulp
+        # of a tie (41-402 of 262144), at 1.8-2x our thread CPU time on our chunks (as above).
         scale2 = _nvfp4_global_scale()(amax.amax(dim=(-4, -2), keepdim=True) if amax2 is None else amax2)
         stored_scale = (amax / element.max / scale2).clamp(E4M3_MIN_SCALE, 448.0).to(FP8)
         scale = stored_scale.float() * scale2
