@@ -21,6 +21,7 @@ from quantpass.kernels.flashinfer_layout import (
     restore_moe_tensor,
     shuffle_index,
     swizzle_128x4,
+    swizzled_scale_len,
     unswizzle_128x4,
     w13_row_index,
 )
@@ -101,20 +102,22 @@ def flashinfer_quantize_model(x):
 # --- layouts ---
 
 
-@pytest.mark.parametrize("rows, cols", [(128, 4), (130, 5), (1, 1), (300, 37), (7, 128), (256, 8)])
-def test_swizzle_is_torchao_to_blocked_and_round_trips(rows, cols):
+@pytest.mark.parametrize("rows, cols", [(128, 4), (130, 5), (1, 1), (300, 37), (7, 128), (256, 8), (256, 3), (130, 6)])
+def test_swizzle_is_trtllm_offsets_and_round_trips(rows, cols):
+    """`swizzle_128x4` is torchao's `to_blocked`; TRT-LLM's offsets written as a loop check it (odd
+    shapes pad), per matrix of a batch too (rows % 128 == 0 takes one call on the stacked rows)."""
     scale = torch.randint(0, 255, (rows, cols), dtype=torch.uint8)
     swizzled = swizzle_128x4(scale)
-    assert torch.equal(swizzled, to_blocked(scale))
+    assert torch.equal(swizzled, loop_interleave_128x4(scale))
     assert torch.equal(unswizzle_128x4(swizzled, rows, cols), scale)
-    batch = torch.randint(0, 255, (3, rows, cols), dtype=torch.uint8)
-    assert all(torch.equal(row, to_blocked(b)) for row, b in zip(swizzle_128x4(batch), batch))
-    assert torch.equal(unswizzle_128x4(swizzle_128x4(batch), rows, cols), batch)
-
-
-def test_swizzle_matches_trtllm_offsets():
-    scale = torch.randint(0, 255, (130, 6), dtype=torch.uint8)
-    assert torch.equal(swizzle_128x4(scale), loop_interleave_128x4(scale))
+    batch = torch.randint(0, 255, (2, 2, rows, cols), dtype=torch.uint8)
+    swizzled = swizzle_128x4(batch)
+    assert swizzled.shape == (2, 2, swizzled_scale_len(rows, cols))
+    assert all(torch.equal(s, loop_interleave_128x4(b)) for s, b in zip(swizzled.flatten(0, 1), batch.flatten(0, 1)))
+    assert torch.equal(unswizzle_128x4(swizzled, rows, cols), batch)
+    assert torch.equal(swizzle_128x4(batch.transpose(-1, -2).contiguous().transpose(-1, -2)), swizzled)  # strided in
+    assert swizzle_128x4(batch[:0]).shape == (0, 2, swizzled_scale_len(rows, cols))
+    assert unswizzle_128x4(swizzled[:0], rows, cols).shape == (0, 2, rows, cols)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 83, 128])

@@ -2,7 +2,11 @@
 the CUDA GEMMs' arguments against torch's own checks (fake CUDA tensors), graphs under aot_eager
 and Inductor with a dynamic M, and the cpu backend's M switch."""
 
+import os
+import platform
 import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -207,12 +211,35 @@ def test_cpu_prepared_layout_and_memory(int4_kernel):
     assert int4.data.numel() == int4_ours.data.numel()  # no second copy of the codes
 
 
-@pytest.mark.parametrize("rows", [16, 48, 64, 96, 112])
-def test_unpack_int4_cpu_reads_the_packed_layout(rows):
-    codes = torch.randint(0, 16, (rows, 256), dtype=torch.int32)
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-    assert cpu._int4_layout() is not None, "this torch's int4 CPU layout should be one of LAYOUTS"
-    assert torch.equal(cpu.unpack_int4_cpu(packed, rows, 256).to(torch.int32), codes)
+# Each documented layout against aten's packing in a process where ATEN_CPU_CAPABILITY selects it
+# (a capability this CPU lacks falls back to a lower one: the check then says so and skips it).
+# Rows: full blocks and a short one of every size aten takes (N % 16 == 0); K: even, not a group.
+_INT4_LAYOUT_CHECK = """
+import sys, torch
+from quantpass.kernels import cpu
+capability = torch.backends.cpu.get_cpu_capability()
+if capability != sys.argv[1]:
+    sys.exit(f"SKIP {sys.argv[1]} not available: aten runs {capability}")
+assert cpu._int4_layout() == cpu.INT4_LAYOUTS[capability], cpu._int4_layout()
+for rows in (16, 48, 64, 80, 112, 176, 208):
+    for cols in (6, 258):
+        codes = torch.randint(0, 16, (rows, cols), dtype=torch.int32)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
+        unpacked = cpu.unpack_int4_cpu(packed, rows, cols).to(torch.int32)
+        assert torch.equal(unpacked, codes), (capability, rows, cols)
+"""
+
+
+@pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="INT4_LAYOUTS are x86-64's")
+@pytest.mark.parametrize("capability", sorted(cpu.INT4_LAYOUTS))
+def test_int4_layout_is_what_aten_packs(capability):
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [sys.executable, "-c", _INT4_LAYOUT_CHECK, capability], env=env, capture_output=True, text=True
+    )
+    if run.returncode and run.stderr.startswith("SKIP"):
+        pytest.skip(run.stderr.strip())
+    assert run.returncode == 0, run.stderr[-2000:]
 
 
 def test_int4_layout_unknown_keeps_the_kernel(monkeypatch):

@@ -20,8 +20,9 @@ bench/README.md ("CPU decode at the bandwidth limit", "Results: CPU").
 
 from __future__ import annotations
 
-import functools
 import logging
+import platform
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -304,15 +305,19 @@ def _(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, o
     return x.new_empty((*x.shape[:-1], out_features))
 
 
-# --- Reading `_convert_weight_to_int4pack_for_cpu`'s layout back (aten/src/ATen/native/cpu/
-# int4mm_kernel.cpp, weight_to_int4pack_kernel): only where aten's INT4 kernel runs (ours can't),
-# for the dequantize path above KERNEL_MAX_M. torch has no public unpack for this layout. Rows go in
-# blocks of BLOCK_N = 4 x the float vector width (64 with AVX512, 32 with AVX2); block i is a [K,
-# rows_i / 2] byte matrix. A full block on AVX512/AVX2 puts row q in byte q's low nibble and row
-# rows/2 + q in its high nibble ("halves"); a short last block (and every block without AVX) pairs
-# rows 2j, 2j + 1 ("pairs"). Which layout this process's torch uses is found once by packing a probe
-# and reading it back: a layout that changes in a new torch is detected, never misread.
-LAYOUTS = ((64, "halves"), (32, "halves"), (16, "pairs"), (32, "pairs"), (64, "pairs"))
+# --- Reading `_convert_weight_to_int4pack_for_cpu`'s layout back: only where aten's INT4 kernel runs
+# (ours can't), for the dequantize path above KERNEL_MAX_M; torch has no public unpack for it. The
+# layout is the one aten's `weight_to_int4pack_kernel` (aten/src/ATen/native/cpu/int4mm_kernel.cpp,
+# behind torch._convert_weight_to_int4pack_for_cpu) documents and writes: rows go in blocks of
+# BLOCK_N = 4 x Vectorized<float>::size() of the CPU capability aten dispatches to (64 on AVX512, 32
+# on AVX2 and on x86's unvectorized DEFAULT); block i is a [K, rows_i / 2] byte matrix. A full block
+# on AVX512 / AVX2 puts row q in byte q's low nibble and row BLOCK_N/2 + q in its high nibble
+# ("halves"); a short last block, every block of the DEFAULT kernel and of an MSVC build (its
+# vectorized branches are `!defined(_MSC_VER)`) pair rows 2j, 2j + 1 ("pairs"). Elsewhere BLOCK_N
+# follows that machine's vector width, not checked here: INT4 stays on aten's kernel at every M.
+# tests/test_kernels_native_cpu.py checks every entry against aten's op (ATEN_CPU_CAPABILITY
+# selects each), so a torch that changes the layout fails there instead of being misread.
+INT4_LAYOUTS = {"AVX512": (64, "halves"), "AVX2": (32, "halves"), "DEFAULT": (32, "pairs")}  # x86-64
 
 
 def unpack_int4_cpu(packed: torch.Tensor, rows: int, cols: int, layout: tuple[int, str] | None = None) -> torch.Tensor:
@@ -340,20 +345,25 @@ def _unpack_blocks(blocks: torch.Tensor, order: str) -> torch.Tensor:
     return codes.reshape(-1, blocks.shape[1])
 
 
-@functools.cache
+def _documented_int4_layout() -> tuple[int, str] | None:
+    """The (BLOCK_N, full-block order) aten packs with in this process (`INT4_LAYOUTS`), or None
+    where it is not known here (then INT4 stays on torch._weight_int4pack_mm_for_cpu at every M)."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    layout = INT4_LAYOUTS.get(capability) if platform.machine().lower() in ("x86_64", "amd64") else None
+    if layout is None:
+        logger.info(
+            "torch's int4 CPU packing on %s (%s) is not one quantpass reads back (known: x86-64 %s): INT4 "
+            "uses torch._weight_int4pack_mm_for_cpu at every M",
+            platform.machine(),
+            capability,
+            ", ".join(INT4_LAYOUTS),
+        )
+        return None
+    return (layout[0], "pairs") if sys.platform == "win32" else layout
+
+
+_INT4_LAYOUT = _documented_int4_layout()  # once, at import: Dynamo traces callers but not platform/uname
+
+
 def _int4_layout() -> tuple[int, str] | None:
-    """The (BLOCK_N, full-block order) this torch packs with: the first of LAYOUTS that reads a
-    random probe (112 = 64 + 48 = 3 x 32 + 16 rows: full blocks and a short one) back exactly;
-    None if none does (then INT4 stays on the aten kernel at every M)."""
-    codes = torch.randint(0, 16, (112, 256), generator=torch.Generator().manual_seed(0), dtype=torch.int32)
-    packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-    for layout in LAYOUTS:
-        if torch.equal(unpack_int4_cpu(packed, 112, 256, layout).to(torch.int32), codes):
-            return layout
-    logger.info(
-        "torch %s packs int4 for CPU in a layout quantpass can't read back (tried %s): INT4 uses "
-        "torch._weight_int4pack_mm_for_cpu at every M",
-        torch.__version__,
-        LAYOUTS,
-    )
-    return None
+    return _INT4_LAYOUT

@@ -2,9 +2,10 @@
 
 No flashinfer import: every function here runs (and is tested) on CPU. Sources of each layout:
 
-- 128x4 scale swizzle: TRT-LLM/FlashInfer `get_sf_out_offset_128x4` (csrc/nv_internal/tensorrt_llm/
-  kernels/quantization.cuh), byte-identical to torchao's `to_blocked` (prototype/mx_formats/utils.py)
-  and vLLM's `swizzle_mxfp8_scale`. Rows pad to 128, scale columns to 4, padding bytes are 0.
+- 128x4 scale swizzle: torchao's `to_blocked` (prototype/mx_formats/utils.py), which is TRT-LLM/
+  FlashInfer's `get_sf_out_offset_128x4` (csrc/nv_internal/tensorrt_llm/kernels/quantization.cuh) and
+  vLLM's `swizzle_mxfp8_scale` byte for byte (tests/test_flashinfer.py checks both). Rows pad to 128,
+  scale columns to 4, padding bytes are 0.
 - MoE gemm1 rows: FlashInfer's SwiGLU reads `[up; gate]` (silu on the second half: flashinfer
   trace/templates/moe.py), interleaved by `reorder_rows_for_gated_act_gemm` (row 2j = up_j,
   2j+1 = gate_j), then `shuffle_matrix_a` / `shuffle_matrix_sf_a` with epilogue_tile_m = 128
@@ -14,6 +15,9 @@ No flashinfer import: every function here runs (and is tested) on CPU. Sources o
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import torch.nn.functional as F
@@ -36,29 +40,34 @@ def swizzled_scale_len(rows: int, scale_cols: int) -> int:
     return round_up(rows, SWIZZLE_ROWS) * round_up(scale_cols, SWIZZLE_COLS)
 
 
-def swizzle_128x4(scale: torch.Tensor) -> torch.Tensor:
-    """`[..., R, C]` e8m0 scales -> `[..., swizzled_scale_len(R, C)]` in the 128x4 layout.
+@functools.cache
+def _blocked_layout():
+    """torchao's `to_blocked` / `from_blocked` (imported on first use: torchao takes seconds to import)."""
+    from torchao.prototype.mx_formats.utils import from_blocked, to_blocked
 
-    Byte at (r, c) goes to (r//128, c//4, r%32, (r%128)//32, c%4) of the padded tiles.
-    """
+    return to_blocked, from_blocked
+
+
+def swizzle_128x4(scale: torch.Tensor) -> torch.Tensor:
+    """`[..., R, C]` one-byte scales -> `[..., swizzled_scale_len(R, C)]`: torchao's `to_blocked` per
+    matrix (byte (r, c) to (r//128, c//4, r%32, (r%128)//32, c%4) of the zero-padded tiles). Padded
+    here first (torchao's own padding allocates with torch.zeros, which fake CUDA tensors refuse on a
+    CPU-only torch): then the matrices' rows stack into whole tiles and take one call."""
+    to_blocked, _ = _blocked_layout()
     *batch, rows, cols = scale.shape
     padded = F.pad(scale, (0, -cols % SWIZZLE_COLS, 0, -rows % SWIZZLE_ROWS))  # zero fill
-    row_tiles, col_tiles = padded.shape[-2] // SWIZZLE_ROWS, padded.shape[-1] // SWIZZLE_COLS
-    tiles = padded.reshape(*batch, row_tiles, 4, 32, col_tiles, SWIZZLE_COLS)  # r = 32*i + j
-    n = len(batch)
-    order = [*range(n), n, n + 3, n + 2, n + 1, n + 4]  # -> (row tile, col tile, j, i, c)
-    return tiles.permute(order).reshape(*batch, -1)
+    stacked = padded.reshape(-1, padded.shape[-1]).contiguous()  # to_blocked views its input
+    return to_blocked(stacked).reshape(*batch, swizzled_scale_len(rows, cols))
 
 
 def unswizzle_128x4(swizzled: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of `swizzle_128x4`: `[..., L]` -> `[..., rows, cols]` (padding dropped)."""
+    """Inverse of `swizzle_128x4` (torchao's `from_blocked`): `[..., L]` -> `[..., rows, cols]`."""
+    _, from_blocked = _blocked_layout()
     *batch, _ = swizzled.shape
-    row_tiles, col_tiles = -(-rows // SWIZZLE_ROWS), -(-cols // SWIZZLE_COLS)
-    tiles = swizzled.reshape(*batch, row_tiles, col_tiles, 32, 4, SWIZZLE_COLS)
-    n = len(batch)
-    order = [*range(n), n, n + 3, n + 2, n + 1, n + 4]  # -> (row tile, i, j, col tile, c)
-    padded = tiles.permute(order).reshape(*batch, row_tiles * SWIZZLE_ROWS, col_tiles * SWIZZLE_COLS)
-    return padded[..., :rows, :cols]
+    padded_rows, padded_cols = round_up(rows, SWIZZLE_ROWS), round_up(cols, SWIZZLE_COLS)
+    matrices = math.prod(batch)
+    padded = from_blocked(swizzled.contiguous().reshape(-1), matrices * padded_rows, padded_cols)
+    return padded.reshape(*batch, padded_rows, padded_cols)[..., :rows, :cols]
 
 
 def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

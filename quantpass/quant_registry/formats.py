@@ -12,6 +12,8 @@ once) choose INT4 clip ratios and the MXFP4 exponent by least squared error
 data keeps its true rows and a column count padded to the group, and `dequantize` crops. Big weights
 are quantized a few rows at a time (`_chunk_rows`: bounded temporaries, same bytes); e2m1 rounding
 on CPU is a lookup table built from torchao's conversion (`_fp4_tables`: same codes, one gather).
+torchao's primitives where they give the same bytes at no cost: e2m1 codec and packing, NVFP4's
+per-tensor scale; why MX and NVFP4 element scaling stay here: comments in `_quantize_grouped`.
 """
 
 from __future__ import annotations
@@ -62,6 +64,14 @@ def _fp4_codec():
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked, pack_uint4, unpack_uint4
 
     return f32_to_f4_unpacked, f4_unpacked_to_f32, pack_uint4, unpack_uint4
+
+
+@functools.cache
+def _nvfp4_global_scale():
+    """torchao's NVFP4 per-tensor scale, amax / (448 * 6) in fp32."""
+    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
+
+    return per_tensor_amax_to_scale
 
 
 @functools.cache
@@ -247,7 +257,11 @@ def _quantize_grouped(x: torch.Tensor, key: QuantKey, amax2: torch.Tensor | None
     amax = group_amax.clamp(min=AMAX_EPS)
     scale2 = None
     if key.scale.dtype == E8M0:
-        # RCEIL from the raw amax: an all-zero block gets byte 0 (2^-127), as FlashInfer writes it
+        # RCEIL from the raw amax: an all-zero block gets byte 0 (2^-127), as FlashInfer writes it.
+        # Not torchao's to_mx(..., RCEIL) (tests/test_formats_torchao.py): same bytes except a block at
+        # byte 0 with nonzero values (amax <= 2^-127 x element max), which torchao scales by 1 (zeros),
+        # at 1.2-1.3x (MXFP8) / 2-2.5x (MXFP4) our thread CPU time, called on our chunks (2048x4096
+        # bf16, 1 thread, two runs 2026-12-01).
         exponent = torch.ceil(torch.log2(group_amax / element.max)).clamp(-127, 127)
         if key.static and element.packed:  # fp4 weights: RCEIL's exponent or the one below, least error
             # (+0.3 dB Gaussian, +0.8 dB Student-t(4) 1024x4096 for MXFP4; MXFP8 gained 0.00: RCEIL)
@@ -255,7 +269,11 @@ def _quantize_grouped(x: torch.Tensor, key: QuantKey, amax2: torch.Tensor | None
             exponent = torch.log2(_lowest_error_scale(groups, candidates, key.dtype))
         scale, stored_scale = torch.exp2(exponent), (exponent + 127).to(torch.uint8)
     elif key.scale.dtype == FP8:  # NVFP4: e4m3 block scales under an fp32 per-matrix scale
-        scale2 = (amax.amax(dim=(-4, -2), keepdim=True) if amax2 is None else amax2) / (448.0 * element.max)
+        # Scales as torchao's nvfp4_quantize unless the matrix's |x| max is under AMAX_EPS (torchao
+        # clamps nothing: an all-zero matrix gets 0 / 0 = NaN block scales). Its elements are x *
+        # ((1 / scale2) / block) where we divide by block * scale2: one e2m1 step apart within an ulp
+        # of a tie (41-402 of 262144), at 1.8-2x our thread CPU time on our chunks (as above).
+        scale2 = _nvfp4_global_scale()(amax.amax(dim=(-4, -2), keepdim=True) if amax2 is None else amax2)
         stored_scale = (amax / element.max / scale2).clamp(E4M3_MIN_SCALE, 448.0).to(FP8)
         scale = stored_scale.float() * scale2
     elif key.dtype == INT4 and key.static:  # clip search: see INT4_CLIP_RATIOS
