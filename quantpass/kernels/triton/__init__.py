@@ -20,15 +20,16 @@ import functools
 
 import torch
 
+from ...moe_problem import ACTIVATIONS, MoEProblem
 from ...quant_registry.keys import QuantKey
+from ...quant_registry.names import Kind
 from ...quant_registry.qtensor import QTensor
+from ...quant_registry.spec import KINDS
 from .. import registry
-from ..reference import ACTIVATIONS
 from .scheme import GemmScheme, activation_scheme, gemm_scheme
 
 Tensor = torch.Tensor  # module level: the triton_op annotations below are resolved here
 DEVICES = "cuda sm80+ (FP8 data sm89+; MX x MX native on sm100 in 128-row tiles, emulated otherwise); cpu under TRITON_INTERPRET=1 (tests)"
-KINDS = ("linear", "moe")
 
 
 def supports(kind, capability, weight: QuantKey, activation: QuantKey | None, problem) -> tuple[bool, str]:
@@ -40,7 +41,7 @@ def supports(kind, capability, weight: QuantKey, activation: QuantKey | None, pr
     if activation is not None and isinstance(why := activation_scheme(activation), str):
         return False, why
     moe_activation = getattr(problem, "activation", None)
-    if kind == "moe" and moe_activation is not None and moe_activation not in ACTIVATIONS:
+    if kind == Kind.MOE and moe_activation is not None and moe_activation not in ACTIVATIONS:
         return False, f"no fused epilogue for MoE activation {moe_activation!r}; valid: {', '.join(ACTIVATIONS)}"
     if "triton" not in capability.libs:
         return False, "triton is not installed"
@@ -96,11 +97,11 @@ def linear(x2d: torch.Tensor, weight: QTensor, activation_key: QuantKey | None, 
     return quantized_matmul(a, weight, bias, x2d.dtype)
 
 
-def fused_moe(*args, **kwargs):
-    """hidden [T, H] -> [T, H] through the experts; arguments exactly as `reference.fused_moe`."""
+def fused_moe(problem: MoEProblem, **options):
+    """`problem.hidden` [T, H] -> [T, H] through the experts; `options` as `moe.fused_moe`'s."""
     from . import moe
 
-    return moe.fused_moe(*args, **kwargs)
+    return moe.fused_moe(problem, **options)
 
 
 def graph_linear_op(device_type: str):
@@ -162,9 +163,9 @@ def _graph_ops():
         alpha: float,
         limit: float,
     ) -> Tensor:
-        weights = (w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
-        gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
-        return ops.run_fused_moe(fused_moe, hidden, topk_weights, topk_ids, *weights, b13, b2, expert_map,
-                                 weight_key, activation_key, intermediate_size, *gated)  # fmt: skip
+        return ops.run_fused_moe(fused_moe, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data,
+                                 w2_scale, w2_scale2, b13, b2, expert_map, weight_key, activation_key, backend,
+                                 activation, gate_up_layout, apply_router_weight_on_input, intermediate_size, alpha,
+                                 limit)  # fmt: skip
 
     return torch.ops.quantpass.triton_linear.default, torch.ops.quantpass.triton_fused_moe.default

@@ -30,8 +30,8 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ... import envs
+from ...moe_problem import ACTIVATIONS, GATE_UP_LAYOUTS
 from ...quant_registry.qtensor import QTensor
-from ..reference import ACTIVATIONS, GATE_UP_LAYOUTS
 from . import tuning
 from .elements import e2m1_to_float, to_output, unpack_nibbles
 from .scheme import FP8_PROMOTE_K as _FP8_PROMOTE_K
@@ -454,8 +454,8 @@ def _make_plan(weight, a_key, a_data, out_dtype, bias, routed, top_k, router, ac
         ROUTED=routed,
         TOP_K=top_k,
         MUL_ROUTER_WEIGHT=router,
-        ACTIVATION=activation or "none",
-        GATE_UP_LAYOUT=gate_up_layout,
+        ACTIVATION=str(activation or "none"),  # constexprs as plain strings (not StrEnum members)
+        GATE_UP_LAYOUT=str(gate_up_layout),
         DOT_FORMAT=_dot_format(scheme, torch.bfloat16 if dot_scaled_fp32 else a_data.dtype, interpret),
         EXACT=interpret,
         FP32_PRECISION=fp32_precision(interpret),

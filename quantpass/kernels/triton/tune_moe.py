@@ -46,6 +46,7 @@ def sweep(experts, top_k, hidden, intermediate, format_name, token_counts, budge
     """{tokens: (best config, its ms, the default config's ms)} for the token counts done in budget."""
     import triton.testing
 
+    from ...moe_problem import GatedActivation, GateUpLayout, MoEActivation, MoEProblem
     from ...quant_registry import formats
     from ...quant_registry.spec import QuantSpec
     from .moe import fused_moe
@@ -61,10 +62,11 @@ def sweep(experts, top_k, hidden, intermediate, format_name, token_counts, budge
     for tokens in token_counts:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         weights, ids = torch.randn(tokens, experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
-        args = (x, weights, ids, w13, w2, None, None, None, spec.activation, "silu", "concat", False, 1.702, 7.0)
+        gated = GatedActivation(MoEActivation.SILU, GateUpLayout.CONCAT)
+        problem = MoEProblem(x, weights, ids, w13, w2, gated, activation_key=spec.activation)
 
-        def run(config, args=args):
-            return lambda: fused_moe(*args, config=config)
+        def run(config, problem=problem):
+            return lambda: fused_moe(problem, config=config)
 
         default_ms = triton.testing.do_bench(
             run(tuning.default_moe_config(tokens, experts, top_k, scheme, tuning.target_sm()))
