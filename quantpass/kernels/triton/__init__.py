@@ -136,8 +136,10 @@ def _graph_ops():
         activation_key: str,
         backend: str,
         out_features: int,
+        input_scale: Tensor | None = None,
     ) -> Tensor:
-        return ops.run_linear(linear, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features)
+        args = (w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features, input_scale)
+        return ops.run_linear(linear, x, *args)
 
     @triton_op("quantpass::triton_fused_moe", mutates_args=())
     def triton_fused_moe(
@@ -162,10 +164,12 @@ def _graph_ops():
         intermediate_size: int,
         alpha: float,
         limit: float,
+        w13_input_scale: Tensor | None = None,
+        w2_input_scale: Tensor | None = None,
     ) -> Tensor:
         return ops.run_fused_moe(fused_moe, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data,
                                  w2_scale, w2_scale2, b13, b2, expert_map, weight_key, activation_key, backend,
                                  activation, gate_up_layout, apply_router_weight_on_input, intermediate_size, alpha,
-                                 limit)  # fmt: skip
+                                 limit, w13_input_scale, w2_input_scale)  # fmt: skip
 
     return torch.ops.quantpass.triton_linear.default, torch.ops.quantpass.triton_fused_moe.default
