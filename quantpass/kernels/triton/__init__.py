@@ -26,7 +26,7 @@ from ...quant_registry.names import Kind
 from ...quant_registry.qtensor import QTensor
 from ...quant_registry.spec import KINDS
 from .. import registry
-from .scheme import GemmScheme, activation_scheme, gemm_scheme
+from .scheme import Element, GemmMode, GemmScheme, activation_scheme, gemm_scheme
 
 Tensor = torch.Tensor  # module level: the triton_op annotations below are resolved here
 DEVICES = "cuda sm80+ (FP8 data sm89+; MX x MX native on sm100 in 128-row tiles, emulated otherwise); cpu under TRITON_INTERPRET=1 (tests)"
@@ -56,7 +56,7 @@ def supports(kind, capability, weight: QuantKey, activation: QuantKey | None, pr
         return False, f"needs SM80+ (bf16 tensor cores); this is sm{sm}"
     if _has_e4m3(scheme) and sm < 89:
         return False, f"FP8 e4m3 data needs SM89+ (Triton has no e4m3 type on sm{sm})"
-    if scheme.mode == "dot_scaled":
+    if scheme.mode == GemmMode.DOT_SCALED:
         return True, _dot_scaled_path(scheme, sm, getattr(problem, "m", None))
     return True, f"Triton {scheme.mode} GEMM ({scheme.name})"
 
@@ -72,7 +72,7 @@ def _dot_scaled_path(scheme: GemmScheme, sm: int, m: int | None) -> str:
     """The oracle's reason for an MX pair; "emulated: ..." where Triton upcasts (oracle.EMULATED)."""
     if sm < NATIVE_MX_MIN_SM:
         return f"emulated: tl.dot_scaled on sm{sm} upcasts the MX operands to bf16 (native MX MMAs need SM100)"
-    if scheme.a_format == "float":
+    if scheme.a_format == Element.FLOAT:
         return f"emulated: MX weights x float activations on sm{sm}: the weight is upcast to bf16 (SM100's MX MMAs take FP8/FP6/FP4 operands only)"  # fmt: skip
     if m is not None and m < NATIVE_MX_BLOCK_M:
         return f"emulated: M={m} on sm{sm}: native MX MMAs need {NATIVE_MX_BLOCK_M}-row tiles, smaller ones are upcast to bf16"
@@ -80,7 +80,7 @@ def _dot_scaled_path(scheme: GemmScheme, sm: int, m: int | None) -> str:
 
 
 def _has_e4m3(scheme: GemmScheme) -> bool:
-    return scheme.a_format == "fp8" or scheme.b_format == "fp8" or scheme.has_scale2  # NVFP4: e4m3 scales
+    return Element.FP8 in (scheme.a_format, scheme.b_format) or scheme.has_scale2  # NVFP4: e4m3 scales
 
 
 # The backend contract's defaults (kernels/registry.py): the kernels read the canonical layout.

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import tuning
-from .scheme import gemm_scheme
+from .scheme import ScaleMode, gemm_scheme
 
 BLOCK_N = (64, 128, 256)
 LAUNCH = ((4, 3), (8, 3), (8, 4))  # (num_warps, num_stages)
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
 
     spec = QuantSpec.coerce(args.format, "format")
     scheme = gemm_scheme(spec.weight, spec.activation)
-    block = scheme.b_group if scheme.b_scale == "block" else None
+    block = scheme.b_group if scheme.b_scale == ScaleMode.BLOCK else None
     name = tuning.config_file_name(args.experts, args.intermediate, tuning.device_name(), scheme.name, block)
     timings = ", ".join(f"T={t}: {ms:.4f} ms vs default {base:.4f} ms" for t, (_, ms, base) in results.items())
     source = (
