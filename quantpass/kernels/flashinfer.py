@@ -94,7 +94,7 @@ def _supports_moe_shape(problem) -> tuple[bool, str]:
     if topk > MOE_MAX_TOPK:
         return False, f"TRT-LLM MoE routing takes top_k <= {MOE_MAX_TOPK}, got {topk}"
     if problem.activation not in (None, MoEActivation.SILU):
-        return False, f"the TRT-LLM MXFP8 MoE computes SwiGLU (silu) only, not {problem.activation!r}"
+        return False, f"the TRT-LLM MXFP8 MoE computes SwiGLU (silu) only, not {str(problem.activation)!r}"
     if problem.has_bias:
         return False, "the TRT-LLM MXFP8 MoE takes no expert biases"
     return True, "FlashInfer TRT-LLM MXFP8 fused MoE (SwiGLU, no biases)"
