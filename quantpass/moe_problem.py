@@ -6,8 +6,8 @@ Every backend's `fused_moe(problem)` takes a `MoEProblem` (kernels/registry.Back
 dataclasses) and `kernels/ops.py` is the one place that packs it into a `MoEProblem`.
 
 This module imports no kernel: detection (`patterns/`) reads the activations and traces
-`gated_activation` from here. The names are `StrEnum`s (quant_registry/names.py), so a member equals its string ("silu"),
-prints as it, and plan rows, JSON and string comparisons see plain strings.
+`gated_activation` from here. The names are `StrEnum`s (quant_registry/names.py): a member equals,
+prints and serialises as its string ("silu"), so plan rows, JSON and string comparisons are unchanged.
 """
 
 from __future__ import annotations
