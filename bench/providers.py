@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from quantpass.kernels import oracle
+from quantpass.kernels.registry import BACKEND_MODULES
 from quantpass.metrics import sqnr
 from quantpass.quant_registry.qtensor import QTensor
 from quantpass.quant_registry.spec import QuantSpec
@@ -35,7 +36,7 @@ BASELINE = "torch_bf16"
 # Linear only, a second unquantized reference: CPUs without bf16 instructions (AVX2) run fp32 GEMMs
 # several times faster than bf16 ones, so "vs bf16" alone flatters quantized kernels there.
 FP32 = "torch_fp32"
-BACKENDS = ("reference", "native", "triton", "flashinfer", "cpu")
+BACKENDS = tuple(BACKEND_MODULES)  # the registry's names, in its order (reference first)
 VARIANTS = ("compiled", "gemm")  # linear: `native_compiled`, `triton_gemm`, ...
 VARIANT_BACKENDS = ("native", "triton")
 DTYPE = torch.bfloat16  # activations and unquantized weights, as served on GPUs

@@ -22,6 +22,7 @@ from providers import weight_copies as copies_for
 import quantpass as qp
 from quantpass.kernels import ops
 from quantpass.kernels.oracle import Problem, backend_module
+from quantpass.moe_problem import GatedActivation, MoEProblem
 
 GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm  # F.grouped_mm: torch >= 2.10
 SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # fused_moe's GPT-OSS arguments; unused by SiLU
@@ -105,10 +106,10 @@ def test_moe(benchmark, record, moe_case):
         weight_bytes = w13.nbytes + w2.nbytes
         w13, w2 = ops.prepare_moe_weights(provider, w13, w2, "concat")
         kernel, activation_key = backend_module(provider).fused_moe, spec_of(format_name).activation
-        gated = ("silu", "concat", False, SWIGLU_ALPHA, SWIGLU_LIMIT)
+        gated = GatedActivation("silu", "concat", SWIGLU_ALPHA, SWIGLU_LIMIT)
 
         def call_for(w13, w2):
-            return lambda: kernel(x, topk_weights, topk_ids, w13, w2, None, None, None, activation_key, *gated)
+            return lambda: kernel(MoEProblem(x, topk_weights, topk_ids, w13, w2, gated, activation_key))
 
     copies = copies_for(int(weight_bytes * touched), shape.tokens)
     calls = [call_for(w13, w2)] + [call_for(clone(w13), clone(w2)) for _ in range(copies - 1)]

@@ -3,12 +3,15 @@ against the reference: every MoE pair the oracle gives it, both INT4 kernels, T 
 H = 160 (INT4 pads K to 256), an expert map with non-local experts, biases, each activation and
 gate/up layout; its stacked weight layout; and the oracle choosing it on CPU only."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from quantpass.kernels import cpu, oracle, reference
 from quantpass.kernels.oracle import Capability, Problem
 from quantpass.metrics import sqnr
+from quantpass.moe_problem import GatedActivation, MoEProblem
 from quantpass.quant_registry import formats, keys
 
 PAIRS = [pair for pair, backends in oracle.MOE_CANDIDATES.items() if "cpu" in backends]
@@ -43,22 +46,23 @@ def moe_args(pair, tokens, local, bias, activation, layout, on_input, experts=4,
     weight, activation_key = pair
     hidden_states = torch.randn(tokens, hidden, generator=gen).bfloat16()
     q13, q2 = formats.quantize(w13, weight), formats.quantize(w2, weight)
-    head = (hidden_states, topk_weights, topk_ids)
-    tail = (b13, b2, expert_map, activation_key, activation, layout, on_input, 1.702, 7.0)
-    return head, (q13, q2), tail
+    gated = GatedActivation(activation, layout, 1.702, 7.0)
+    problem = MoEProblem(hidden_states, topk_weights, topk_ids, q13, q2, gated, activation_key, b13, b2, expert_map)
+    return replace(problem, apply_router_weight_on_input=on_input)
 
 
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}")
 def test_cpu_moe_matches_reference(pair, case, int4_kernel):
-    head, (q13, q2), tail = moe_args(pair, *case)
-    want = reference.fused_moe(*head, q13, q2, *tail).float()
+    problem = moe_args(pair, *case)
+    q13, q2 = problem.w13, problem.w2
+    want = reference.fused_moe(problem).float()
     prepared = cpu.prepare_moe_weights(q13, q2, case[4])
     ours = pair[0] == keys.kInt4StaticGroup128Sym and int4_kernel == "avx2"
     floor = INT4_OURS_FLOOR_DB if ours else FLOORS_DB.get(pair, FLOOR_DB)
     for w13, w2 in (prepared, (q13, q2)):  # prepared once (the graph path), and per call
-        got = cpu.fused_moe(*head, w13, w2, *tail)
-        assert got.shape == head[0].shape and got.dtype == head[0].dtype
+        got = cpu.fused_moe(replace(problem, w13=w13, w2=w2))
+        assert got.shape == problem.hidden.shape and got.dtype == problem.hidden.dtype
         assert sqnr(want, got.float()) >= floor
 
 
@@ -66,7 +70,8 @@ def test_prepared_moe_layout(int4_kernel):
     """One copy: quantpass's kernels read the stacked quantized experts as they are; aten's INT4
     layout replaces them, expert by expert."""
     pair = next(p for p in PAIRS if p[0] == keys.kInt4StaticGroup128Sym)
-    _, (q13, q2), _ = moe_args(pair, 1, None, False, "silu", "concat", False)
+    problem = moe_args(pair, 1, None, False, "silu", "concat", False)
+    q13, q2 = problem.w13, problem.w2
     w13, w2 = cpu.prepare_moe_weights(q13, q2, "concat")
     if int4_kernel == "avx2":
         assert (w13, w2) == (q13, q2) and w13.data is q13.data and w2.scale is q2.scale

@@ -6,6 +6,7 @@ import importlib.util
 import re
 import sys
 import types
+from dataclasses import replace
 from enum import IntEnum
 
 import pytest
@@ -27,6 +28,7 @@ from quantpass.kernels.flashinfer_layout import (
 )
 from quantpass.kernels.oracle import Capability, Problem
 from quantpass.metrics import sqnr
+from quantpass.moe_problem import GatedActivation, MoEProblem
 from quantpass.quant_registry import quantize
 from quantpass.quant_registry.keys import kFp8Dynamic128Sym, kFp8Static128BlockSym, kMxfp8Dynamic, kMxfp8Static
 
@@ -362,10 +364,11 @@ def test_moe_through_emulated_flashinfer_matches_reference(emulated, gate_up_lay
     expert_map = torch.tensor([0, -1, 1, -1]) if use_expert_map else None
     local = [0, 2] if use_expert_map else list(range(experts))
     w13_local, w2_local = (type(w)(w.data[local], w.scale[local], None, w.key, w.shape, w.dtype) for w in (w13, w2))
-    args = (None, None, expert_map, kMxfp8Dynamic, "silu", gate_up_layout, False, 1.702, 7.0)
-    expected = reference.fused_moe(x, topk_weights, topk_ids, w13_local, w2_local, *args)
-    prepared = fi.prepare_moe_weights(w13_local, w2_local, gate_up_layout)
-    out = fi.fused_moe(x, topk_weights, topk_ids, *prepared, *args)
+    gated = GatedActivation("silu", gate_up_layout, 1.702, 7.0)
+    problem = MoEProblem(x, topk_weights, topk_ids, w13_local, w2_local, gated, kMxfp8Dynamic, expert_map=expert_map)
+    expected = reference.fused_moe(problem)
+    w13_prepared, w2_prepared = fi.prepare_moe_weights(w13_local, w2_local, gate_up_layout)
+    out = fi.fused_moe(replace(problem, w13=w13_prepared, w2=w2_prepared))
     assert out.shape == x.shape and out.dtype == x.dtype
     assert sqnr(expected.float(), out.float()) > 30
 
@@ -377,15 +380,14 @@ def test_moe_refuses_what_the_kernel_cannot_run(emulated):
         torch.ones(3, 2) / 2,
         torch.zeros(3, 2, dtype=torch.long),
     )
-    base = dict(b13=None, b2=None, expert_map=None, activation_key=kMxfp8Dynamic, activation="silu")
-    base.update(gate_up_layout="concat", apply_router_weight_on_input=False, alpha=1.702, limit=7.0)
+    base = MoEProblem(x, weights, ids, w13, w2, GatedActivation("silu", "concat", 1.702, 7.0), kMxfp8Dynamic)
     for change, message in [
-        ({"activation": "swigluoai"}, "'silu' .* got 'swigluoai'"),
+        ({"gated": GatedActivation("swigluoai", "concat", 1.702, 7.0)}, "'silu' .* got 'swigluoai'"),
         ({"b13": torch.zeros(4, 256)}, "no expert biases"),
         ({"apply_router_weight_on_input": True}, "top_k == 1 on flashinfer, got 2"),
     ]:
         with pytest.raises(ValueError, match=message):
-            fi.fused_moe(x, weights, ids, w13, w2, **{**base, **change})
+            fi.fused_moe(replace(base, **change))
 
 
 def test_oracle_and_graph_op_reach_this_backend(emulated):
@@ -463,7 +465,8 @@ def test_gpu_moe_matches_reference(gate_up_layout, tokens):
     w2 = quantize(torch.randn(experts, hidden, intermediate, device="cuda") * 0.02, kMxfp8Static)
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     weights, ids = torch.randn(tokens, experts, device="cuda").softmax(-1).topk(topk)
-    args = (None, None, None, kMxfp8Dynamic, "silu", gate_up_layout, False, 1.702, 7.0)
-    expected = reference.fused_moe(x, weights, ids, w13, w2, *args)
-    out = fi.fused_moe(x, weights, ids, *fi.prepare_moe_weights(w13, w2, gate_up_layout), *args)
+    problem = MoEProblem(x, weights, ids, w13, w2, GatedActivation("silu", gate_up_layout, 1.702, 7.0), kMxfp8Dynamic)
+    expected = reference.fused_moe(problem)
+    w13_prepared, w2_prepared = fi.prepare_moe_weights(w13, w2, gate_up_layout)
+    out = fi.fused_moe(replace(problem, w13=w13_prepared, w2=w2_prepared))
     assert sqnr(expected.float(), out.float()) > 25

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from quantpass.kernels import native_moe, reference
 from quantpass.kernels.oracle import Capability, Problem
 from quantpass.metrics import sqnr
+from quantpass.moe_problem import GatedActivation, MoEProblem
 from quantpass.quant_registry.formats import quantize
 from quantpass.quant_registry.spec import QuantSpec
 
 E, K, H, I = 4, 2, 64, 32  # noqa: E741
+SILU = GatedActivation("silu", "concat")
 
 
 def moe_inputs(tokens: int, dtype, biases: bool, seed: int = 0):
@@ -43,9 +47,11 @@ def test_native_moe_matches_reference(case, dtype, tokens):
     expert_map = torch.tensor([0, -1, 1, 2]) if local else None  # expert 1 lives elsewhere
     experts = slice(None) if expert_map is None else [0, 2, 3]
     w13_q, w2_q = quantize(w13[experts], spec.weight), quantize(w2[experts], spec.weight)
-    args = (b13, b2, expert_map, spec.activation, activation, layout, on_input, 1.702, 7.0)
-    expected = reference.fused_moe(hidden, topk_weights, topk_ids, w13_q, w2_q, *args)
-    result = native_moe.fused_moe(hidden, topk_weights, topk_ids, w13_q, w2_q, *args)
+    gated = GatedActivation(activation, layout, 1.702, 7.0)
+    problem = MoEProblem(hidden, topk_weights, topk_ids, w13_q, w2_q, gated, spec.activation, b13, b2, expert_map)
+    problem = replace(problem, apply_router_weight_on_input=on_input)
+    expected = reference.fused_moe(problem)
+    result = native_moe.fused_moe(problem)
     assert result.shape == expected.shape and result.dtype == dtype
     # bf16 weights and GEMM inputs vs the reference's fp32: ~40 dB; a wrong row order or layout < 5 dB
     assert sqnr(expected, result) > 30.0
@@ -70,7 +76,7 @@ def test_native_moe_traces_with_dynamic_tokens():
     w13_q, w2_q = quantize(w13, spec.weight), quantize(w2, spec.weight)
 
     def experts(hidden, topk_weights, topk_ids):
-        return native_moe.fused_moe(hidden, topk_weights, topk_ids, w13_q, w2_q, None, None, None, None, "silu", "concat", False, 0.0, 0.0)  # fmt: skip
+        return native_moe.fused_moe(MoEProblem(hidden, topk_weights, topk_ids, w13_q, w2_q, SILU))
 
     graphs = []
     compiled = torch.compile(

@@ -6,6 +6,8 @@ an expert map with a non-local expert (T=5), biases (T=33), every activation and
 the router weight on the input. GPU tier: E=8, top-2, H=1024, I=512 and an Inductor compile.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 from _triton_support import MOE_PAIRS, device, on_interpreter, pair_id, poison_empty
@@ -14,6 +16,7 @@ import quantpass.kernels.triton as triton_backend
 from quantpass.kernels import reference
 from quantpass.kernels.ops import key_arg
 from quantpass.metrics import sqnr
+from quantpass.moe_problem import GatedActivation, MoEProblem
 from quantpass.quant_registry import formats, keys
 
 
@@ -52,14 +55,16 @@ def run_moe(pair, problem, local=None, activation="silu", layout="concat", on_in
         b13, b2 = (None, None) if b13 is None else (b13[local], b2[local])
     q13, q2 = formats.quantize(w13, weight_key), formats.quantize(w2, weight_key)
     head = (problem["hidden"], problem["topk_weights"], problem["topk_ids"])
-    tail = (activation, layout, on_input, alpha, limit)
+    rest = dict(b13=b13, b2=b2, expert_map=expert_map, apply_router_weight_on_input=on_input)
+    moe = MoEProblem(*head, q13, q2, GatedActivation(activation, layout, alpha, limit), activation_key, **rest)
     from quantpass.kernels.triton.moe import fused_moe
 
-    out = fused_moe(*head, q13, q2, b13, b2, expert_map, activation_key, *tail, **kw)
-    want = reference.fused_moe(*head, q13, q2, b13, b2, expert_map, activation_key, *tail)
+    out = fused_moe(moe, **kw)
+    want = reference.fused_moe(moe)
     exact = None
     if unquantized:  # the reference loop is slow under load: only where a test looks at it
-        exact = reference.fused_moe(*head, *_unquantized(w13, w2), b13, b2, expert_map, None, *tail).float()
+        w13, w2 = _unquantized(w13, w2)
+        exact = reference.fused_moe(replace(moe, w13=w13, w2=w2, activation_key=None)).float()
     assert out.shape == problem["hidden"].shape and out.dtype == problem["hidden"].dtype
     assert torch.isfinite(out).all(), "unwritten (poisoned) or non-finite outputs"
     return out.float(), want.float(), exact

@@ -160,6 +160,7 @@ def linear_case(weight, activation, m, n, k, device="cpu"):
 
 def moe_case(weight, activation, experts, top_k, hidden, inter, tokens, config=None, device="cpu"):
     from quantpass.kernels.triton import moe
+    from quantpass.moe_problem import GatedActivation, MoEProblem
     from quantpass.quant_registry import formats
 
     def run():
@@ -167,8 +168,8 @@ def moe_case(weight, activation, experts, top_k, hidden, inter, tokens, config=N
         w2 = formats.quantize(torch.randn(experts, hidden, inter, device=device) / inter**0.5, weight)
         x = torch.randn(tokens, hidden, dtype=torch.bfloat16, device=device)
         topk_weights, topk_ids = torch.randn(tokens, experts, device=device).softmax(-1).topk(top_k, dim=-1)
-        head = (x, topk_weights, topk_ids, w13, w2, None, None, None, activation)
-        moe.fused_moe(*head, "silu", "concat", False, 1.702, 7.0, config=config)
+        gated = GatedActivation("silu", "concat", 1.702, 7.0)
+        moe.fused_moe(MoEProblem(x, topk_weights, topk_ids, w13, w2, gated, activation), config=config)
 
     return run
 

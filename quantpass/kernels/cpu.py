@@ -27,9 +27,12 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from ..moe_problem import GateUpLayout, MoEProblem
 from ..quant_registry.formats import dequantize, unpack_int4
 from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
+from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
+from ..quant_registry.spec import KINDS
 from . import cpu_avx2, ops, reference, registry
 from .reference import fake_quantize
 
@@ -73,13 +76,13 @@ NATIVE_LOW_PRECISION_MATMUL = bool(
 
 
 def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
-    if kind not in ("linear", "moe"):
+    if kind not in KINDS:
         return False, f"no cpu kernel for site kind {kind!r}"
     if capability.device != "cpu":
         return False, f"aten's weight-only CPU kernels run on cpu, not {capability.device}"
     if activation not in ACTIVATIONS.get(weight, (None,)):
         return False, f"no CPU kernel for weight {weight} with activation {activation}"
-    loop = "per-expert loop: " if kind == "moe" else ""
+    loop = "per-expert loop: " if kind == Kind.MOE else ""
     fake = "" if activation is None else ", activations fake-quantized per token"
     ours, name = cpu_avx2.available()
     if ours and weight in ACTIVATION_MODES:
@@ -94,7 +97,7 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
     missing = [op for op in ops_ if not hasattr(torch, op)]
     if missing:
         return False, f"torch {torch.__version__} has no torch.{missing[0]}"
-    rows = (problem.n,) if kind == "linear" else (2 * problem.n, problem.k)  # MoE: w13 [2I, H], w2 [H, I]
+    rows = (problem.n,) if kind == Kind.LINEAR else (2 * problem.n, problem.k)  # MoE: w13 [2I, H], w2 [H, I]
     odd = [n for n in rows if n % 16]
     if weight == kInt4StaticGroup128Sym and odd:
         return False, f"torch._convert_weight_to_int4pack_for_cpu needs N % 16 == 0; got N={odd[0]}"
@@ -134,7 +137,7 @@ def prepare_weight(kind: str, weight: QTensor) -> QTensor:
     return QTensor(packed, scale_and_zeros, None, weight.key, weight.shape, dtype)
 
 
-def prepare_moe_weights(w13: QTensor, w2: QTensor, gate_up_layout: str) -> tuple[QTensor, QTensor]:
+def prepare_moe_weights(w13: QTensor, w2: QTensor, gate_up_layout: GateUpLayout) -> tuple[QTensor, QTensor]:
     """Each expert in `prepare_weight`'s layout, stacked: [E, ...] data and scales."""
     return _prepare_experts(w13), _prepare_experts(w2)
 
@@ -144,15 +147,15 @@ def _prepare_experts(weight: QTensor) -> QTensor:
         return weight
     if cpu_avx2.available()[0]:
         return _contiguous(weight)
-    experts = [prepare_weight("moe", weight[e]) for e in range(weight.data.shape[0])]
+    experts = [prepare_weight(Kind.MOE, weight[e]) for e in range(weight.data.shape[0])]
     data, scale = torch.stack([p.data for p in experts]), torch.stack([p.scale for p in experts])
     return QTensor(data, scale, None, weight.key, weight.shape, weight.dtype)
 
 
-def fused_moe(*args) -> torch.Tensor:
-    """hidden [T, H] -> [T, H], arguments as `reference.fused_moe`: its loop, with `linear`'s
-    kernels per expert (activation keys are fake-quantized by the loop, as the reference does)."""
-    return reference.fused_moe(*args, expert_matmul=_expert_matmul)
+def fused_moe(problem: MoEProblem) -> torch.Tensor:
+    """hidden [T, H] -> [T, H]: `reference.fused_moe`'s loop, with `linear`'s kernels per expert
+    (activation keys are fake-quantized by the loop, as the reference does)."""
+    return reference.fused_moe(problem, expert_matmul=_expert_matmul)
 
 
 def _expert_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -166,7 +169,7 @@ def linear(x: torch.Tensor, weight: QTensor, activation, bias: torch.Tensor | No
         raise ValueError(f"the cpu backend has no kernel for weight {weight.key} with activation {activation}")
     if activation is not None:
         x = fake_quantize(x, activation).to(x.dtype)
-    weight = prepare_weight("linear", weight)
+    weight = prepare_weight(Kind.LINEAR, weight)
     if x.shape[0] > kernel_max_m(weight):
         out = _large_m_matmul(x, weight)
     elif _on_our_kernel(weight):

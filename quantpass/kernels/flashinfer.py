@@ -19,8 +19,11 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
+from ..moe_problem import GateUpLayout, MoEActivation, MoEProblem
 from ..quant_registry.keys import QuantKey, kMxfp8Dynamic, kMxfp8Static
+from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
+from ..quant_registry.spec import KINDS
 from . import registry
 from .flashinfer_layout import (
     SCALE_BLOCK,
@@ -50,7 +53,6 @@ MOE_MAX_TOPK = 8  # TRT-LLM routing kernel (no groups, Renormalize): "only suppo
 MOE_MAX_EXPERTS = 512  # routing kernel: experts <= 512 threads (vLLM's assert); experts % 4 == 0 (TORCH_CHECK)
 RENORMALIZE = 1  # RoutingMethodType.Renormalize; ignored by the routed entry point (ids are given)
 MAJOR_K = 0  # WeightLayout.MajorK, the only layout MxFp8 accepts (trtllm_fused_moe_kernel_launcher.cu)
-KINDS = ("linear", "moe")
 
 
 def supports(kind: str, capability, weight: QuantKey, activation: QuantKey | None, problem) -> tuple[bool, str]:
@@ -64,7 +66,7 @@ def supports(kind: str, capability, weight: QuantKey, activation: QuantKey | Non
         return False, f"needs SM100 or SM103 (B200/GB200/B300), got sm{capability.sm}"
     if "flashinfer" not in capability.libs:
         return False, "flashinfer is not installed (pip install flashinfer-python)"
-    return _supports_linear_shape(problem) if kind == "linear" else _supports_moe_shape(problem)
+    return _supports_linear_shape(problem) if kind == Kind.LINEAR else _supports_moe_shape(problem)
 
 
 def _supports_linear_shape(problem) -> tuple[bool, str]:
@@ -91,8 +93,8 @@ def _supports_moe_shape(problem) -> tuple[bool, str]:
         return False, f"TRT-LLM MoE routing needs experts % 4 == 0 and <= {MOE_MAX_EXPERTS}, got {experts}"
     if topk > MOE_MAX_TOPK:
         return False, f"TRT-LLM MoE routing takes top_k <= {MOE_MAX_TOPK}, got {topk}"
-    if problem.activation not in (None, "silu"):
-        return False, f"the TRT-LLM MXFP8 MoE computes SwiGLU (silu) only, not {problem.activation!r}"
+    if problem.activation not in (None, MoEActivation.SILU):
+        return False, f"the TRT-LLM MXFP8 MoE computes SwiGLU (silu) only, not {str(problem.activation)!r}"
     if problem.has_bias:
         return False, "the TRT-LLM MXFP8 MoE takes no expert biases"
     return True, "FlashInfer TRT-LLM MXFP8 fused MoE (SwiGLU, no biases)"
@@ -105,7 +107,7 @@ def _check_mxfp8(weight: QTensor, what: str) -> None:
 
 def prepare_weight(kind: str, weight: QTensor) -> QTensor:
     """A linear weight `[N, K]`: data unchanged, scales `[N, K/32]` -> 1-D 128x4 swizzled."""
-    if kind != "linear":
+    if kind != Kind.LINEAR:
         raise ValueError(f"flashinfer prepare_weight is for kind 'linear', got {kind!r} (MoE: prepare_moe_weights)")
     _check_mxfp8(weight, "linear")
     if weight.data.dim() != 2:
@@ -113,7 +115,7 @@ def prepare_weight(kind: str, weight: QTensor) -> QTensor:
     return dataclasses.replace(weight, data=weight.data.contiguous(), scale=swizzle_128x4(weight.scale))
 
 
-def prepare_moe_weights(w13: QTensor, w2: QTensor, gate_up_layout: str) -> tuple[QTensor, QTensor]:
+def prepare_moe_weights(w13: QTensor, w2: QTensor, gate_up_layout: GateUpLayout) -> tuple[QTensor, QTensor]:
     """w13 `[E, 2I, H]` ([gate; up] or interleaved) and w2 `[E, H, I]` -> TRT-LLM's MajorK shuffled
     layout: gemm1 rows [up; gate] interleaved then shuffled, gemm2 rows shuffled, every scale
     matrix permuted the same way and 128x4-interleaved in place (shapes unchanged)."""
@@ -167,39 +169,27 @@ def _(x, weight, weight_scale):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def fused_moe(
-    hidden: Tensor,
-    topk_weights: Tensor,
-    topk_ids: Tensor,
-    w13: QTensor,
-    w2: QTensor,
-    b13: Tensor | None,
-    b2: Tensor | None,
-    expert_map: Tensor | None,
-    activation_key: QuantKey | None,
-    activation: str,
-    gate_up_layout: str,
-    apply_router_weight_on_input: bool,
-    alpha: float,
-    limit: float,
-) -> Tensor:
-    """hidden `[T, H]`, routing `[T, k]`, prepared w13/w2 -> `[T, H]` (as `reference.fused_moe`).
+def fused_moe(problem: MoEProblem) -> Tensor:
+    """hidden `[T, H]`, routing `[T, k]`, prepared w13/w2 -> `[T, H]` (`registry.Backend.fused_moe`).
 
-    `gate_up_layout` was applied by `prepare_moe_weights`; `alpha`/`limit` belong to `swigluoai`,
+    The gate/up layout was applied by `prepare_moe_weights`; `alpha`/`limit` belong to `swigluoai`,
     which this kernel does not run.
     """
-    if activation != "silu":
-        raise ValueError(f"flashinfer MXFP8 MoE runs activation 'silu' (SwiGLU) only, got {activation!r}")
-    if b13 is not None or b2 is not None:
+    activation, activation_key = problem.gated.activation, problem.activation_key
+    if activation != MoEActivation.SILU:
+        raise ValueError(f"flashinfer MXFP8 MoE runs activation 'silu' (SwiGLU) only, got {str(activation)!r}")
+    if problem.b13 is not None or problem.b2 is not None:
         raise ValueError("flashinfer MXFP8 MoE has no expert biases; use backend 'triton' or 'reference'")
     if activation_key != kMxfp8Dynamic:
         raise ValueError(f"flashinfer MXFP8 MoE quantizes activations with {kMxfp8Dynamic}, got {activation_key}")
+    hidden, topk_weights, topk_ids = problem.hidden, problem.topk_weights, problem.topk_ids
+    w13, w2, expert_map = problem.w13, problem.w2, problem.expert_map
     local_experts = w13.data.shape[0]
     num_experts = local_experts
     if expert_map is not None:  # non-local experts -> an id the kernel treats as another rank's
         topk_ids = local_topk_ids(topk_ids, expert_map, local_experts)
         num_experts = round_up(local_experts + 1, 4)
-    if apply_router_weight_on_input:  # the kernel weights outputs; for top-1 that is the same
+    if problem.apply_router_weight_on_input:  # the kernel weights outputs; for top-1 that is the same
         if topk_ids.shape[1] != 1:
             raise ValueError(f"apply_router_weight_on_input needs top_k == 1 on flashinfer, got {topk_ids.shape[1]}")
         hidden = (hidden.float() * topk_weights.float()).to(hidden.dtype)

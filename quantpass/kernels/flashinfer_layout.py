@@ -22,9 +22,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..moe_problem import GATE_UP_LAYOUTS, GateUpLayout
 from ..quant_registry.formats import quantize
 from ..quant_registry.keys import kMxfp8Dynamic
-from .reference import GATE_UP_LAYOUTS
 
 SCALE_BLOCK = 32  # MX: one e8m0 scale per 32 elements along K
 SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4  # one 512-byte tile of the 128x4 scale layout
@@ -86,9 +86,9 @@ def quantize_activation(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def gate_up_to_up_gate_index(rows: int, gate_up_layout: str) -> torch.Tensor:
     """Rows of our w13 `[2I, H]` in FlashInfer's `[up; gate]` order: out[r] = w13[index[r]]."""
     half = torch.arange(rows // 2)
-    if gate_up_layout == "concat":  # [gate; up] -> [up; gate] (vLLM `swap_w13_to_w31`)
+    if gate_up_layout == GateUpLayout.CONCAT:  # [gate; up] -> [up; gate] (vLLM `swap_w13_to_w31`)
         return torch.cat([half + rows // 2, half])
-    if gate_up_layout == "interleaved":  # gate on even rows, up on odd rows (GPT-OSS)
+    if gate_up_layout == GateUpLayout.INTERLEAVED:  # gate on even rows, up on odd rows (GPT-OSS)
         return torch.cat([2 * half + 1, 2 * half])
     raise ValueError(f"invalid gate_up_layout {gate_up_layout!r}; valid: {', '.join(GATE_UP_LAYOUTS)}")
 

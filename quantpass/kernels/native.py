@@ -42,6 +42,7 @@ from ..quant_registry.keys import (
     kNvfp4Dynamic,
     kNvfp4Static,
 )
+from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from . import registry
 from .flashinfer_layout import swizzle_128x4
@@ -117,7 +118,7 @@ INT_MM_MIN_ROWS = {"cuda": 17}
 
 
 def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
-    if kind == "moe":
+    if kind == Kind.MOE:
         return supports_moe(capability, weight, activation, problem)
     if activation is None:
         if weight in WEIGHT_ONLY:

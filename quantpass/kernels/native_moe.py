@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import torch
 
+from ..moe_problem import ACTIVATIONS, MoEProblem
 from ..quant_registry.formats import dequantize, quantize
 from ..quant_registry.keys import QuantKey
 from ..quant_registry.qtensor import QTensor
-from .reference import ACTIVATIONS, gated_activation
 
 ROW_ALIGNMENT = 8  # torch._grouped_mm: every row stride 16-byte aligned -> bf16 dims % 8
 MIN_SM = 80  # torch._grouped_mm on CUDA: sm80+ (torch >= 2.9)
@@ -50,23 +50,11 @@ def supports_moe(capability, weight: QuantKey, activation: QuantKey | None, prob
     return True, "dequantize to bf16 + torch._grouped_mm (Inductor-visible; all experts dequantized per call)"
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: QTensor,
-    w2: QTensor,
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    expert_map: torch.Tensor | None,
-    activation_key: QuantKey | None,
-    activation: str,
-    gate_up_layout: str,
-    apply_router_weight_on_input: bool,
-    alpha: float,
-    limit: float,
-) -> torch.Tensor:
-    """hidden [T, H], routing [T, k] -> [T, H]; same contract as `reference.fused_moe`."""
+def fused_moe(problem: MoEProblem) -> torch.Tensor:
+    """hidden [T, H], routing [T, k] -> [T, H]; the contract of `registry.Backend.fused_moe`."""
+    hidden, topk_weights, topk_ids = problem.hidden, problem.topk_weights, problem.topk_ids
+    w13, w2, activation_key, expert_map = problem.w13, problem.w2, problem.activation_key, problem.expert_map
+    on_input = problem.apply_router_weight_on_input
     tokens, topk = topk_ids.shape
     experts = w13.shape[0]
     ids = topk_ids.reshape(-1)  # [S = T*k], token-major
@@ -80,19 +68,19 @@ def fused_moe(
     experts_of_rows = sorted_ids.clamp(max=experts - 1)
     router = topk_weights.reshape(-1)[perm].float().unsqueeze(-1)  # [S, 1]
     rows = hidden[perm // topk].float()  # [S, H]
-    if apply_router_weight_on_input:
+    if on_input:
         rows = rows * router
     w13_t = dequantize_bf16(w13).transpose(-2, -1)  # [E, H, 2I] view
     h = torch._grouped_mm(_activation_input(rows, hidden.dtype, activation_key), w13_t, offs=offsets).float()
-    if b13 is not None:
-        h = h + b13[experts_of_rows].float()
-    a = gated_activation(h, activation, gate_up_layout, alpha, limit)  # [S, I] fp32
+    if problem.b13 is not None:
+        h = h + problem.b13[experts_of_rows].float()
+    a = problem.gated(h)  # [S, I] fp32
     w2_t = dequantize_bf16(w2).transpose(-2, -1)  # [E, I, H] view
     y = torch._grouped_mm(_activation_input(a, hidden.dtype, activation_key), w2_t, offs=offsets).float()
-    if b2 is not None:
-        y = y + b2[experts_of_rows].float()
+    if problem.b2 is not None:
+        y = y + problem.b2[experts_of_rows].float()
     y = torch.where(valid, y, 0.0)
-    if not apply_router_weight_on_input:
+    if not on_input:
         y = y * router
     unsorted = torch.empty_like(y).index_copy(0, perm, y)  # back to token-major rows
     return unsorted.view(tokens, topk, -1).sum(dim=1).to(hidden.dtype)

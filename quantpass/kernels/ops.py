@@ -11,8 +11,11 @@ trailing `input_scale` tensor(s); the kernel finds them on the weight QTensor (`
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
+from ..moe_problem import GatedActivation, MoEProblem
 from ..quant_registry.keys import KEYS, QuantKey, needs_input_scale
 from ..quant_registry.qtensor import QTensor
 from . import oracle
@@ -103,31 +106,37 @@ def fused_moe(
     w13_input_scale: Tensor | None = None,
     w2_input_scale: Tensor | None = None,
 ) -> Tensor:
-    """hidden [T, H], topk [T, k] -> [T, H]: the experts of one MoE layer, routing already done."""
-    kernel = oracle.backend_module(backend).fused_moe
-    weights = (w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
-    gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
-    return run_fused_moe(kernel, hidden, topk_weights, topk_ids, *weights, b13, b2, expert_map,
-                         weight_key, activation_key, intermediate_size, *gated,
-                         w13_input_scale, w2_input_scale)  # fmt: skip
+    """hidden [..., H], topk [..., k] -> [..., H]: the experts of one MoE layer, routing already done."""
+    return run_fused_moe(oracle.backend_module(backend).fused_moe, hidden, topk_weights, topk_ids, w13_data, w13_scale,
+                         w13_scale2, w2_data, w2_scale, w2_scale2, b13, b2, expert_map, weight_key, activation_key,
+                         backend, activation, gate_up_layout, apply_router_weight_on_input, intermediate_size, alpha,
+                         limit, w13_input_scale, w2_input_scale)  # fmt: skip
 
 
-def run_fused_moe(
-    kernel, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2,
-    b13, b2, expert_map, weight_key, activation_key, intermediate_size, activation, gate_up_layout,
-    apply_router_weight_on_input, alpha, limit, w13_input_scale=None, w2_input_scale=None,
-):  # fmt: skip
-    """The op's body for a backend's `fused_moe` (see `reference.fused_moe`; graph ops reuse it)."""
-    hidden_size, dtype = hidden.shape[-1], hidden.dtype
+def run_fused_moe(kernel, hidden: Tensor, *op_args) -> Tensor:
+    """The op's body for a backend's `fused_moe(problem)`, `op_args` after `hidden` as the op's (graph ops
+    reuse it): hidden's leading dims flattened to tokens, and back."""
+    return kernel(moe_problem(hidden.reshape(-1, hidden.shape[-1]), *op_args)).reshape(hidden.shape)
+
+
+# torch.library's schema takes tensors and scalars, not dataclasses: `quantpass::fused_moe` (and the
+# graph ops with its arguments) stay flat, and this is the one place their arguments become a MoEProblem.
+def moe_problem(
+    hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, b13, b2,
+    expert_map, weight_key, activation_key, backend, activation, gate_up_layout, apply_router_weight_on_input,
+    intermediate_size, alpha, limit, w13_input_scale=None, w2_input_scale=None,
+) -> MoEProblem:  # fmt: skip
+    """`quantpass::fused_moe`'s arguments (hidden already [T, H]) as the `MoEProblem` backends take."""
+    hidden_size, dtype, tokens = hidden.shape[-1], hidden.dtype, hidden.shape[0]
     w13 = weight_view(w13_data, w13_scale, w13_scale2, weight_key, 2 * intermediate_size, hidden_size, dtype,
                       input_scale=w13_input_scale)  # fmt: skip
     w2 = weight_view(w2_data, w2_scale, w2_scale2, weight_key, hidden_size, intermediate_size, dtype,
                      input_scale=w2_input_scale)  # fmt: skip
-    flat = hidden.reshape(-1, hidden_size)
-    routing = (topk_weights.reshape(flat.shape[0], -1), topk_ids.reshape(flat.shape[0], -1))
-    gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
-    out = kernel(flat, *routing, w13, w2, b13, b2, expert_map, key_from_arg(activation_key), *gated)
-    return out.reshape(hidden.shape)
+    return MoEProblem(
+        hidden, topk_weights.reshape(tokens, -1), topk_ids.reshape(tokens, -1), w13, w2,
+        gated=GatedActivation(activation, gate_up_layout, alpha, limit), activation_key=key_from_arg(activation_key),
+        b13=b13, b2=b2, expert_map=expert_map, apply_router_weight_on_input=apply_router_weight_on_input,
+    )  # fmt: skip
 
 
 @fused_moe.register_fake
@@ -176,29 +185,26 @@ def _linear_backward(ctx, grad):
 torch.library.register_autograd("quantpass::linear", _linear_backward, setup_context=_setup_linear)
 
 
+MOE_TENSORS = 12  # quantpass::fused_moe's leading tensors: hidden, routing, w13/w2 data/scales, biases, expert_map
+
+
 def _setup_moe(ctx, inputs, output):
-    hidden, topk_weights, topk_ids, *rest = inputs
-    tensors = rest[:9]  # w13 data/scale/scale2, w2 data/scale/scale2, b13, b2, expert_map
-    ctx.save_for_backward(hidden, topk_weights, topk_ids, *tensors)
-    ctx.meta = rest[9:18]  # keys, backend, gated activation, sizes (not the trailing input scales)
+    ctx.save_for_backward(*inputs[:MOE_TENSORS])
+    ctx.meta = inputs[MOE_TENSORS:21]  # keys, backend, gated activation, sizes (not the trailing input scales)
 
 
 def _moe_backward(ctx, grad):
     """Recompute the experts in plain torch on dense weights and differentiate that."""
     from . import reference
 
-    hidden, topk_weights, topk_ids, w13d, w13s, w13s2, w2d, w2s, w2s2, b13, b2, expert_map = ctx.saved_tensors
-    weight_key, _, backend, activation, layout, on_input, intermediate, alpha, limit = ctx.meta
-    hidden_size, dtype = hidden.shape[-1], hidden.dtype
-    w13 = dense_weight(backend, weight_view(w13d, w13s, w13s2, weight_key, 2 * intermediate, hidden_size, dtype), dtype)
-    w2 = dense_weight(backend, weight_view(w2d, w2s, w2s2, weight_key, hidden_size, intermediate, dtype), dtype)
+    hidden, topk_weights, *tensors = ctx.saved_tensors
+    backend = ctx.meta[2]
     inputs = [t.detach().requires_grad_(t.is_floating_point()) for t in (hidden, topk_weights)]
     with torch.enable_grad():
-        flat, routing = inputs[0].reshape(-1, hidden_size), inputs[1].reshape(-1, topk_ids.shape[-1])
-        out = reference.fused_moe(
-            flat, routing, topk_ids.reshape(flat.shape[0], -1), w13, w2, b13, b2, expert_map, None,
-            activation, layout, on_input, alpha, limit, expert_matmul=_dense_matmul,
-        )  # fmt: skip
+        problem = moe_problem(inputs[0].reshape(-1, hidden.shape[-1]), inputs[1], *tensors, *ctx.meta)
+        dense = {name: dense_weight(backend, getattr(problem, name), hidden.dtype) for name in ("w13", "w2")}
+        problem = replace(problem, activation_key=None, **dense)
+        out = reference.fused_moe(problem, expert_matmul=_dense_matmul)
         needed = [t for t in inputs if t.requires_grad]
         grads = iter(torch.autograd.grad(out.reshape(grad.shape), needed, grad, allow_unused=True))
     grad_hidden, grad_topk = (next(grads) if t.requires_grad else None for t in inputs)

@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import envs
+from ..moe_problem import MoEActivation
 from ..quant_registry import keys as k
 from ..quant_registry.keys import QuantKey
+from ..quant_registry.names import Kind
 from ..quant_registry.spec import KINDS
 from .registry import BACKEND_NAMES, BACKENDS
 from .registry import backend as backend_module  # the one registry of backends (kernels/registry.py)
@@ -70,7 +72,7 @@ MOE_CANDIDATES: dict[Pair, list[str]] = {
     (k.kFp8Static128BlockSym,  None):                     ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 # fmt: on
-CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
+CANDIDATES = {Kind.LINEAR: LINEAR_CANDIDATES, Kind.MOE: MOE_CANDIDATES}
 
 # Platform-gated priorities: the same backends, reordered for one device type. CPU has no FP8
 # matrix units: torch._scaled_mm emulates and ran at the reference's speed (bench/README.md,
@@ -82,7 +84,7 @@ CANDIDATES = {"linear": LINEAR_CANDIDATES, "moe": MOE_CANDIDATES}
 # Native stays available by name.
 # fmt: off
 CPU_PRIORITY = {
-    "linear": {
+    Kind.LINEAR: {
         (k.kFp8StaticTensorSym,  k.kFp8DynamicTensorSym): ["reference", "native", "triton"],
         (k.kFp8StaticChannelSym, k.kFp8DynamicTokenSym):  ["reference", "native", "triton"],
         (k.kMxfp4Static,         None):                   ["reference", "native", "triton"],
@@ -155,7 +157,7 @@ class Problem:
     m: int | None = None
     experts: int = 0
     topk: int = 0
-    activation: str | None = None  # moe: the gated activation ("silu", "swigluoai", ...)
+    activation: MoEActivation | str | None = None  # moe: the gated activation (moe_problem.ACTIVATIONS)
     has_bias: bool = False  # moe: expert biases
 
 

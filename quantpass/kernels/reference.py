@@ -10,14 +10,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..moe_problem import ACTIVATIONS, GATE_UP_LAYOUTS, MoEProblem, gated_activation  # noqa: F401 (the reference's math)
 from ..quant_registry.formats import E4M3_MIN_SCALE, ELEMENTS, _round, dequantize, quantize
 from ..quant_registry.keys import FP4, FP8, QuantKey, kFp8StaticTensorSym, kNvfp4CalibratedGlobal, needs_input_scale
 from ..quant_registry.qtensor import QTensor
 from . import registry
 
 DEVICES = "any"  # and the only backend with static (calibrated) activation scales
-ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "swigluoai")
-GATE_UP_LAYOUTS = ("concat", "interleaved")
 
 # The backend contract's defaults (kernels/registry.py): the canonical layout, no graph-visible op.
 prepare_weight, prepare_moe_weights = registry.keep_layout, registry.keep_moe_layout
@@ -69,26 +68,6 @@ def linear(x: torch.Tensor, weight: QTensor, activation: QuantKey | None, bias: 
     return out.to(x.dtype)
 
 
-def gated_activation(h: torch.Tensor, activation: str, gate_up_layout: str, alpha: float, limit: float) -> torch.Tensor:
-    """[T, 2I] gate/up projections -> [T, I]. GPT-OSS (`swigluoai`) clamps and uses (up + 1)."""
-    if gate_up_layout == "concat":  # [gate; up] along 2I
-        gate, up = h.chunk(2, dim=-1)
-    elif gate_up_layout == "interleaved":  # gate on even rows, up on odd rows
-        gate, up = h[..., 0::2], h[..., 1::2]
-    else:
-        raise ValueError(f"invalid gate_up_layout {gate_up_layout!r}; valid: {', '.join(GATE_UP_LAYOUTS)}")
-    if activation == "silu":
-        return F.silu(gate) * up
-    if activation == "gelu":
-        return F.gelu(gate) * up
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh") * up
-    if activation == "swigluoai":
-        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
-    raise ValueError(f"invalid MoE activation {activation!r}; valid: {', '.join(ACTIVATIONS)}")
-
-
 DEQUANTIZE_CHUNK = 1 << 18  # weight elements dequantized at once: 1 MiB of fp32 in flight
 
 
@@ -110,40 +89,22 @@ def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     return out
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: QTensor,
-    w2: QTensor,
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    expert_map: torch.Tensor | None,
-    activation_key: QuantKey | None,
-    activation: str,
-    gate_up_layout: str,
-    apply_router_weight_on_input: bool,
-    alpha: float,
-    limit: float,
-    *,
-    expert_matmul=_dequantized_matmul,
-) -> torch.Tensor:
-    """hidden [T, H], routing [T, k] -> [T, H]: a loop over local experts, dequantized weights.
+def fused_moe(problem: MoEProblem, *, expert_matmul=_dequantized_matmul) -> torch.Tensor:
+    """`problem`'s hidden [T, H] -> [T, H]: a loop over the local experts, dequantized weights.
 
-    w13 [E, 2I, H], w2 [E, H, I] hold the local experts; `expert_map` [global E] maps a global expert
-    id to its local index, -1 for experts that live elsewhere (they contribute nothing here).
     Each GEMM's input is quantized once over all routed rows (as fused kernels do), so a
     per-tensor activation key gets one scale per GEMM, not one per expert; a static key
     (a checkpoint's calibrated `input_scale`, `[]` or `[E]`) uses each expert's own. `expert_matmul(x fp32
     [R, K], one expert's QTensor [N, K]) -> fp32 [R, N]` replaces dequantize + matmul (the cpu
     backend runs its kernels in this loop).
     """
-    local_ids = topk_ids if expert_map is None else expert_map[topk_ids]
+    hidden, activation_key, on_input = problem.hidden, problem.activation_key, problem.apply_router_weight_on_input
+    local_ids = problem.topk_ids if problem.expert_map is None else problem.expert_map[problem.topk_ids]
     tokens, slots = torch.nonzero(local_ids >= 0, as_tuple=True)  # routed (token, slot) pairs
     experts = local_ids[tokens, slots]
-    router = topk_weights[tokens, slots].float().unsqueeze(-1)
+    router = problem.topk_weights[tokens, slots].float().unsqueeze(-1)
     x = hidden[tokens].float()
-    if apply_router_weight_on_input:
+    if on_input:
         x = x * router
     matmul, quantize_rows = expert_matmul, lambda rows: fake_quantize(rows.to(hidden.dtype), activation_key)
     if needs_input_scale(activation_key):  # each expert's rows with its own static scale
@@ -152,10 +113,10 @@ def fused_moe(
             return expert_matmul(fake_quantize(rows.to(hidden.dtype), activation_key, weight.input_scale), weight)
 
         quantize_rows = torch.Tensor.float
-    h = _per_expert(quantize_rows(x), experts, w13, b13, matmul)
-    a = quantize_rows(gated_activation(h, activation, gate_up_layout, alpha, limit))
-    y = _per_expert(a, experts, w2, b2, matmul)
-    if not apply_router_weight_on_input:
+    h = _per_expert(quantize_rows(x), experts, problem.w13, problem.b13, matmul)
+    a = quantize_rows(problem.gated(h))
+    y = _per_expert(a, experts, problem.w2, problem.b2, matmul)
+    if not on_input:
         y = y * router
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
     return out.index_add_(0, tokens, y).to(hidden.dtype)

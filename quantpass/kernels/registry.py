@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from ..moe_problem import GateUpLayout, MoEProblem
     from ..quant_registry.keys import QuantKey
     from ..quant_registry.qtensor import QTensor
     from .oracle import Capability, Problem
@@ -47,7 +48,7 @@ class Backend(Protocol):
         """The backend's own layout of a linear weight, computed once per weight and cached; `linear`
         then receives it. Idempotent."""
 
-    def prepare_moe_weights(self, w13: QTensor, w2: QTensor, gate_up_layout: str) -> tuple[QTensor, QTensor]:
+    def prepare_moe_weights(self, w13: QTensor, w2: QTensor, gate_up_layout: GateUpLayout) -> tuple[QTensor, QTensor]:
         """The same for one MoE layer's experts; `fused_moe` then receives them."""
 
     def dequantize_prepared(self, weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -56,12 +57,9 @@ class Backend(Protocol):
     def linear(self, x: torch.Tensor, weight: QTensor, activation: QuantKey | None, bias: torch.Tensor | None):
         """x `[M, K]` @ weight `[N, K]`.T (+ bias) -> `[M, N]` in x.dtype."""
 
-    def fused_moe(
-        self, hidden, topk_weights, topk_ids, w13, w2, b13, b2, expert_map, activation_key, activation,
-        gate_up_layout, apply_router_weight_on_input, alpha, limit,
-    ) -> torch.Tensor:  # fmt: skip
-        """hidden `[T, H]` -> `[T, H]` through the experts, arguments as `reference.fused_moe` documents
-        (called only for pairs in the oracle's `moe` table)."""
+    def fused_moe(self, problem: MoEProblem) -> torch.Tensor:
+        """`problem.hidden` `[T, H]` -> `[T, H]` through the experts (`moe_problem.MoEProblem`; its
+        weights as `prepare_moe_weights` left them). Called only for pairs in the oracle's `moe` table."""
 
     def graph_linear_op(self, device_type: str):
         """A graph-visible callable with `quantpass::linear`'s arguments (e.g. a `triton_op` on CUDA), or
@@ -77,7 +75,7 @@ def keep_layout(kind: str, weight: QTensor) -> QTensor:
     return weight
 
 
-def keep_moe_layout(w13: QTensor, w2: QTensor, gate_up_layout: str) -> tuple[QTensor, QTensor]:
+def keep_moe_layout(w13: QTensor, w2: QTensor, gate_up_layout: GateUpLayout) -> tuple[QTensor, QTensor]:
     return w13, w2
 
 

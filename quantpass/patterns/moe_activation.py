@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from ..kernels.reference import ACTIVATIONS, GATE_UP_LAYOUTS, gated_activation
+from ..moe_problem import ACTIVATIONS, GATE_UP_LAYOUTS, gated_activation
 from ..passes.fx_utils import mutated
 from .moe_subgraph import argument, op_name, shape, value
 

@@ -15,8 +15,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from ..kernels.registry import BACKEND_NAMES  # names only: imports no kernel
 from .keys import KEYS, STATIC_ACTIVATION_KEYS, QuantKey
 from .named_formats import DEFAULT_ACTIVATION, ROLE_NAMES, SHORTHANDS  # views of the one format table
+from .names import Kind
 
-KINDS = ("linear", "moe")
+KINDS = tuple(Kind)
 ROLES = ("weight", "activation")
 
 

@@ -20,15 +20,16 @@ import functools
 
 import torch
 
+from ...moe_problem import ACTIVATIONS, MoEProblem
 from ...quant_registry.keys import QuantKey
+from ...quant_registry.names import Kind
 from ...quant_registry.qtensor import QTensor
+from ...quant_registry.spec import KINDS
 from .. import registry
-from ..reference import ACTIVATIONS
-from .scheme import GemmScheme, activation_scheme, gemm_scheme
+from .scheme import Element, GemmMode, GemmScheme, activation_scheme, gemm_scheme
 
 Tensor = torch.Tensor  # module level: the triton_op annotations below are resolved here
 DEVICES = "cuda sm80+ (FP8 data sm89+; MX x MX native on sm100 in 128-row tiles, emulated otherwise); cpu under TRITON_INTERPRET=1 (tests)"
-KINDS = ("linear", "moe")
 
 
 def supports(kind, capability, weight: QuantKey, activation: QuantKey | None, problem) -> tuple[bool, str]:
@@ -40,7 +41,7 @@ def supports(kind, capability, weight: QuantKey, activation: QuantKey | None, pr
     if activation is not None and isinstance(why := activation_scheme(activation), str):
         return False, why
     moe_activation = getattr(problem, "activation", None)
-    if kind == "moe" and moe_activation is not None and moe_activation not in ACTIVATIONS:
+    if kind == Kind.MOE and moe_activation is not None and moe_activation not in ACTIVATIONS:
         return False, f"no fused epilogue for MoE activation {moe_activation!r}; valid: {', '.join(ACTIVATIONS)}"
     if "triton" not in capability.libs:
         return False, "triton is not installed"
@@ -55,7 +56,7 @@ def supports(kind, capability, weight: QuantKey, activation: QuantKey | None, pr
         return False, f"needs SM80+ (bf16 tensor cores); this is sm{sm}"
     if _has_e4m3(scheme) and sm < 89:
         return False, f"FP8 e4m3 data needs SM89+ (Triton has no e4m3 type on sm{sm})"
-    if scheme.mode == "dot_scaled":
+    if scheme.mode == GemmMode.DOT_SCALED:
         return True, _dot_scaled_path(scheme, sm, getattr(problem, "m", None))
     return True, f"Triton {scheme.mode} GEMM ({scheme.name})"
 
@@ -71,7 +72,7 @@ def _dot_scaled_path(scheme: GemmScheme, sm: int, m: int | None) -> str:
     """The oracle's reason for an MX pair; "emulated: ..." where Triton upcasts (oracle.EMULATED)."""
     if sm < NATIVE_MX_MIN_SM:
         return f"emulated: tl.dot_scaled on sm{sm} upcasts the MX operands to bf16 (native MX MMAs need SM100)"
-    if scheme.a_format == "float":
+    if scheme.a_format == Element.FLOAT:
         return f"emulated: MX weights x float activations on sm{sm}: the weight is upcast to bf16 (SM100's MX MMAs take FP8/FP6/FP4 operands only)"  # fmt: skip
     if m is not None and m < NATIVE_MX_BLOCK_M:
         return f"emulated: M={m} on sm{sm}: native MX MMAs need {NATIVE_MX_BLOCK_M}-row tiles, smaller ones are upcast to bf16"
@@ -79,7 +80,7 @@ def _dot_scaled_path(scheme: GemmScheme, sm: int, m: int | None) -> str:
 
 
 def _has_e4m3(scheme: GemmScheme) -> bool:
-    return scheme.a_format == "fp8" or scheme.b_format == "fp8" or scheme.has_scale2  # NVFP4: e4m3 scales
+    return Element.FP8 in (scheme.a_format, scheme.b_format) or scheme.has_scale2  # NVFP4: e4m3 scales
 
 
 # The backend contract's defaults (kernels/registry.py): the kernels read the canonical layout.
@@ -96,11 +97,11 @@ def linear(x2d: torch.Tensor, weight: QTensor, activation_key: QuantKey | None, 
     return quantized_matmul(a, weight, bias, x2d.dtype)
 
 
-def fused_moe(*args, **kwargs):
-    """hidden [T, H] -> [T, H] through the experts; arguments exactly as `reference.fused_moe`."""
+def fused_moe(problem: MoEProblem, **options):
+    """`problem.hidden` [T, H] -> [T, H] through the experts; `options` as `moe.fused_moe`'s."""
     from . import moe
 
-    return moe.fused_moe(*args, **kwargs)
+    return moe.fused_moe(problem, **options)
 
 
 def graph_linear_op(device_type: str):
@@ -135,8 +136,10 @@ def _graph_ops():
         activation_key: str,
         backend: str,
         out_features: int,
+        input_scale: Tensor | None = None,
     ) -> Tensor:
-        return ops.run_linear(linear, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features)
+        args = (w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features, input_scale)
+        return ops.run_linear(linear, x, *args)
 
     @triton_op("quantpass::triton_fused_moe", mutates_args=())
     def triton_fused_moe(
@@ -161,10 +164,12 @@ def _graph_ops():
         intermediate_size: int,
         alpha: float,
         limit: float,
+        w13_input_scale: Tensor | None = None,
+        w2_input_scale: Tensor | None = None,
     ) -> Tensor:
-        weights = (w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
-        gated = (activation, gate_up_layout, apply_router_weight_on_input, alpha, limit)
-        return ops.run_fused_moe(fused_moe, hidden, topk_weights, topk_ids, *weights, b13, b2, expert_map,
-                                 weight_key, activation_key, intermediate_size, *gated)  # fmt: skip
+        return ops.run_fused_moe(fused_moe, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data,
+                                 w2_scale, w2_scale2, b13, b2, expert_map, weight_key, activation_key, backend,
+                                 activation, gate_up_layout, apply_router_weight_on_input, intermediate_size, alpha,
+                                 limit, w13_input_scale, w2_input_scale)  # fmt: skip
 
     return torch.ops.quantpass.triton_linear.default, torch.ops.quantpass.triton_fused_moe.default

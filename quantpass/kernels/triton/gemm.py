@@ -30,12 +30,12 @@ import triton.language as tl
 from torch.library import wrap_triton
 
 from ... import envs
+from ...moe_problem import ACTIVATIONS, GATE_UP_LAYOUTS
 from ...quant_registry.qtensor import QTensor
-from ..reference import ACTIVATIONS, GATE_UP_LAYOUTS
 from . import tuning
 from .elements import e2m1_to_float, to_output, unpack_nibbles
 from .scheme import FP8_PROMOTE_K as _FP8_PROMOTE_K
-from .scheme import GemmScheme, gemm_scheme
+from .scheme import Element, GemmMode, GemmScheme, ScaleMode, constexpr_flags, gemm_scheme
 
 FP8_PROMOTE_K = tl.constexpr(_FP8_PROMOTE_K)  # a global a compiled kernel reads must be a constexpr
 
@@ -432,7 +432,7 @@ def _make_plan(weight, a_key, a_data, out_dtype, bias, routed, top_k, router, ac
             raise ValueError(f"a gated GEMM needs an even number of weight rows (gate and up), got {n}")
         n //= 2
     _check_operands(scheme, a_data, weight, bias)
-    dot_scaled_fp32 = scheme.mode == "dot_scaled" and a_data.dtype == torch.float32
+    dot_scaled_fp32 = scheme.mode == GemmMode.DOT_SCALED and a_data.dtype == torch.float32
     weight_strides = (
         weight.data.stride(0) if routed else 0,
         weight.data.stride(-2),
@@ -440,7 +440,7 @@ def _make_plan(weight, a_key, a_data, out_dtype, bias, routed, top_k, router, ac
         *_scale_strides(weight.scale, batch),
         weight.scale2.stride(0) if routed and weight.scale2 is not None else 0,
     )
-    flags = dict(
+    flags = constexpr_flags(
         A_FORMAT=scheme.a_format,
         A_SCALE=scheme.a_scale,
         B_FORMAT=scheme.b_format,
@@ -460,7 +460,7 @@ def _make_plan(weight, a_key, a_data, out_dtype, bias, routed, top_k, router, ac
         EXACT=interpret,
         FP32_PRECISION=fp32_precision(interpret),
     )
-    data_k = weight.data.shape[-1] * (2 if scheme.b_format in ("int4", "e2m1") else 1)
+    data_k = weight.data.shape[-1] * (2 if scheme.b_format in (Element.INT4, Element.E2M1) else 1)
     bias_shape = (weight.data.shape[0], weight_rows) if routed else (weight_rows,)
     return _Plan(scheme, n, k, data_k, weight_strides, bias_shape, flags, dot_scaled_fp32)
 
@@ -493,9 +493,9 @@ def _check_operands(scheme, a_data, weight, bias) -> None:
 
 
 def _dot_format(scheme: GemmScheme, a_dtype: torch.dtype, interpret: bool) -> str:
-    if scheme.mode == "dot_scaled":
-        return "e4m3" if scheme.a_scale == "mx" else {torch.float16: "fp16"}.get(a_dtype, "bf16")
-    if scheme.mode == "dequant" and (interpret or a_dtype == torch.float32):
+    if scheme.mode == GemmMode.DOT_SCALED:
+        return "e4m3" if scheme.a_scale == ScaleMode.MX else {torch.float16: "fp16"}.get(a_dtype, "bf16")
+    if scheme.mode == GemmMode.DEQUANT and (interpret or a_dtype == torch.float32):
         return "fp32"
     return "native"
 

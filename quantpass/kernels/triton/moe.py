@@ -19,11 +19,12 @@ differ at the FP8 noise level, not by rounding (the tests say so).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ... import envs
-from ...quant_registry.keys import QuantKey
-from ...quant_registry.qtensor import QTensor
+from ...moe_problem import MoEProblem
 from . import tuning
 from .gemm import quantized_matmul
 from .moe_align import decode_routing, local_expert_ids, moe_align
@@ -31,30 +32,14 @@ from .quant import quantize_activation
 from .scheme import gemm_scheme
 
 
-def fused_moe(
-    hidden: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    w13: QTensor,
-    w2: QTensor,
-    b13: torch.Tensor | None,
-    b2: torch.Tensor | None,
-    expert_map: torch.Tensor | None,
-    activation_key: QuantKey | None,
-    activation: str,
-    gate_up_layout: str,
-    apply_router_weight_on_input: bool,
-    alpha: float,
-    limit: float,
-    *,
-    config: dict | None = None,
-    decode: bool | None = None,
-) -> torch.Tensor:
-    """hidden [T, H], topk_weights/ids [T, k] -> [T, H]; arguments as `reference.fused_moe`.
+def fused_moe(problem: MoEProblem, *, config: dict | None = None, decode: bool | None = None) -> torch.Tensor:
+    """hidden [T, H], topk_weights/ids [T, k] -> [T, H] (`registry.Backend.fused_moe`).
 
     `config` overrides the launch config (else `tuning.moe_config`, or the interpreter's); `decode`
     forces (True) or forbids (False) the one-pair-per-block shortcut (default: `decode_shortcut`).
     """
+    hidden, topk_weights, topk_ids = problem.hidden, problem.topk_weights, problem.topk_ids
+    w13, w2, activation_key = problem.w13, problem.w2, problem.activation_key
     scheme = gemm_scheme(w13.key, activation_key)
     if isinstance(scheme, str):
         raise ValueError(scheme)
@@ -77,22 +62,22 @@ def fused_moe(
         config = tuning.moe_config(tokens, num_experts, top_k, intermediate, scheme)
     if decode:  # one pair per block: the smallest block tl.dot takes wastes the least
         config = dict(config, BLOCK_M=16)
-    local_ids = local_expert_ids(topk_ids, expert_map)
+    local_ids = local_expert_ids(topk_ids, problem.expert_map)
     if decode:
         routing = decode_routing(local_ids, config["BLOCK_M"])
     else:
         routing = moe_align(local_ids, num_experts, config["BLOCK_M"])
 
     x = hidden
-    if apply_router_weight_on_input:  # one A row per pair, already weighted (Llama-4 style)
+    if problem.apply_router_weight_on_input:  # one A row per pair, already weighted (Llama-4 style)
         x = hidden.float()[:, None, :] * topk_weights.float()[:, :, None]
         x = x.to(hidden.dtype).reshape(num_pairs, hidden_size)
     a1 = quantize_activation(x, activation_key) if activation_key is not None else x
-    gated = dict(activation=activation, gate_up_layout=gate_up_layout, alpha=alpha, limit=limit)
-    act = quantized_matmul(a1, w13, b13, hidden.dtype, routing=routing, config=config, **gated)  # [pairs, I]
+    gated = dataclasses.asdict(problem.gated)  # the GEMM's epilogue flags: activation, gate_up_layout, alpha, limit
+    act = quantized_matmul(a1, w13, problem.b13, hidden.dtype, routing=routing, config=config, **gated)  # [pairs, I]
     a2 = quantize_activation(act, activation_key) if activation_key is not None else act
-    router = None if apply_router_weight_on_input else topk_weights
-    y = quantized_matmul(a2, w2, b2, hidden.dtype, routing=routing, router_weights=router, config=config)
+    router = None if problem.apply_router_weight_on_input else topk_weights
+    y = quantized_matmul(a2, w2, problem.b2, hidden.dtype, routing=routing, router_weights=router, config=config)
     return y.view(tokens, top_k, hidden_size).sum(dim=1, dtype=torch.float32).to(hidden.dtype)
 
 

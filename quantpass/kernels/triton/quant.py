@@ -24,7 +24,7 @@ from ...quant_registry.formats import AMAX_EPS, ELEMENTS, padded_cols, scale_sha
 from ...quant_registry.keys import FP8, INT8, QuantKey
 from ...quant_registry.qtensor import QTensor
 from .elements import to_e4m3, to_int8
-from .scheme import activation_scheme
+from .scheme import ScaleMode, activation_scheme
 
 # A global a compiled kernel reads must be a constexpr (the interpreter doesn't check; found by
 # tests/triton_aot.py): the same epsilon as formats.py.
@@ -120,12 +120,12 @@ def quantize_activation(x: torch.Tensor, key: QuantKey) -> QTensor:
         x = x.contiguous()
     rows, cols = x.shape
     q = torch.empty((rows, padded), dtype=key.dtype, device=x.device)
-    scale_dtype = torch.uint8 if scale_mode == "mx" else torch.float32
+    scale_dtype = torch.uint8 if scale_mode == ScaleMode.MX else torch.float32
     scale = torch.empty(
-        (1, 1) if scale_mode == "tensor" else (rows, groups_per_row), dtype=scale_dtype, device=x.device
+        (1, 1) if scale_mode == ScaleMode.TENSOR else (rows, groups_per_row), dtype=scale_dtype, device=x.device
     )
     tensor_scale = scale
-    if scale_mode == "tensor":  # one global reduction first (torch: the same ops as formats.py)
+    if scale_mode == ScaleMode.TENSOR:  # one global reduction first (torch: the same ops as formats.py)
         tensor_scale = x.abs().amax().float().clamp(min=AMAX_EPS).div(ELEMENTS[key.dtype].max).reshape(1, 1)
         scale = tensor_scale
     if rows == 0:
@@ -143,8 +143,8 @@ def quantize_activation(x: torch.Tensor, key: QuantKey) -> QTensor:
         x.stride(0),
         q.stride(0),
         scale.stride(0),
-        ELEMENT=element,
-        SCALE=scale_mode,
+        ELEMENT=str(element),  # constexprs: plain strings
+        SCALE=str(scale_mode),
         BLOCK_S=block_s,
         BLOCK_C=block_c,
         EXACT=interpret,
@@ -163,7 +163,7 @@ def _plan(key: QuantKey, cols: int, interpret: bool) -> tuple[str, str, int, int
     # Tile size: the interpreter's cost is per program, so up to 64K elements there; on CUDA ~4K
     # elements per program (memory bound: enough bytes in flight per SM, enough programs per SM).
     tile = 65536 if interpret else 4096
-    if scale_mode in ("tensor", "row"):
+    if scale_mode in (ScaleMode.TENSOR, ScaleMode.ROW):
         block_c, groups_per_row = min(triton.next_power_of_2(cols), tile), 1
     else:
         block_c, groups_per_row = group, scale_shape(key, (1, cols))[-1]

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...quant_registry.keys import E8M0, FP4, FP8, INT4, INT8, PER_ROW, PER_TENSOR, QuantKey
+from ...quant_registry.names import StrEnum
 
 # FP8 accumulation: one policy for every FP8 format, followed by every backend. "precise": the tensor
 # cores' FP8 partial sums are added into an fp32 accumulator at least every FP8_PROMOTE_K elements of K
@@ -22,24 +23,53 @@ FP8_ACCUMULATION = "precise"
 FP8_PROMOTE_K = 128
 
 
+class Element(StrEnum):
+    """An operand's data as the kernel reads it."""
+
+    FLOAT = "float"  # the activation as given (bf16 / fp16 / fp32)
+    FP8 = "fp8"
+    INT8 = "int8"
+    INT4 = "int4"  # uint8 packed, offset 8
+    E2M1 = "e2m1"  # FP4, uint8 packed
+
+
+class ScaleMode(StrEnum):
+    """How an operand's scales are laid out and applied."""
+
+    NONE = "none"
+    TENSOR = "tensor"  # activation quantization only; the GEMM reads it as a row scale of stride 0
+    ROW = "row"  # per-token / per-channel
+    GROUP = "group"  # 1 x group along K (activations); weights: applied to the dequantized tile
+    BLOCK = "block"  # weight blocks, applied per K step
+    MX = "mx"  # e8m0 per 1x32, `tl.dot_scaled`
+
+
+class GemmMode(StrEnum):
+    DOT = "dot"  # fp8 x fp8 or int8 x int8 on the tensor cores
+    DOT_SCALED = "dot_scaled"  # MX
+    DEQUANT = "dequant"  # weight-only: the tile is decoded to the activation's float type, then `tl.dot`
+
+
+def constexpr_flags(**flags) -> dict:
+    """Kernel constexprs with the enums above as plain strings (what the `@triton.jit` bodies compare)."""
+    return {name: str(v) if isinstance(v, StrEnum) else v for name, v in flags.items()}
+
+
 @dataclass(frozen=True)
 class GemmScheme:
     """The constexpr flags of `_gemm_kernel` for one operand-format pair.
 
-    a_format  "float" (the activation as given) | "fp8" | "int8"
-    a_scale   "none" | "row" (per-token, or per-tensor through a zero stride) | "group" (1 x a_group_k) | "mx"
-    b_format  "fp8" | "int8" | "int4" (uint8 packed, offset 8) | "e2m1" (uint8 packed)
-    b_scale   "row" (per-channel, or per-tensor) | "block" (b_group, applied per K step) |
-              "group" (b_group, applied to the dequantized tile) | "mx" (e8m0 per 1x32, `tl.dot_scaled`)
-    mode      "dot" (fp8 x fp8 or int8 x int8 on the tensor cores) | "dot_scaled" (MX) |
-              "dequant" (weight-only: the tile is decoded to the activation's float type, then `tl.dot`)
+    a_format  FLOAT | FP8 | INT8
+    a_scale   NONE | ROW (per-token, or per-tensor through a zero stride) | GROUP (1 x a_group_k) | MX
+    b_format  FP8 | INT8 | INT4 | E2M1
+    b_scale   ROW (per-channel, or per-tensor) | BLOCK (b_group) | GROUP (b_group) | MX
     """
 
-    a_format: str
-    a_scale: str
-    b_format: str
-    b_scale: str
-    mode: str
+    a_format: Element
+    a_scale: ScaleMode
+    b_format: Element
+    b_scale: ScaleMode
+    mode: GemmMode
     a_group_k: int = 0
     b_group: tuple[int, int] = (1, 1)
     has_scale2: bool = False  # NVFP4's fp32 per-matrix scale, applied in the epilogue
@@ -47,39 +77,39 @@ class GemmScheme:
     @property
     def name(self) -> str:
         """Short dtype tag for config file names, e.g. "fp8_w8a8", "mxfp4_w4a16"."""
-        weight = {"fp8": "fp8", "int8": "int8", "int4": "int4", "e2m1": "nvfp4" if self.has_scale2 else "mxfp4"}
-        prefix = "mx" if self.b_scale == "mx" and self.b_format == "fp8" else ""
-        bits = 4 if self.b_format in ("int4", "e2m1") else 8
-        activation_bits = 16 if self.a_format == "float" else 8
-        return f"{prefix}{weight[self.b_format]}_w{bits}a{activation_bits}"
+        element = {Element.E2M1: "nvfp4" if self.has_scale2 else "mxfp4"}.get(self.b_format, str(self.b_format))
+        prefix = "mx" if self.b_scale == ScaleMode.MX and self.b_format == Element.FP8 else ""
+        bits = 4 if self.b_format in (Element.INT4, Element.E2M1) else 8
+        activation_bits = 16 if self.a_format == Element.FLOAT else 8
+        return f"{prefix}{element}_w{bits}a{activation_bits}"
 
 
-def _weight_format(key: QuantKey) -> tuple[str, str, tuple[int, int], bool] | str:
+def _weight_format(key: QuantKey) -> tuple[Element, ScaleMode, tuple[int, int], bool] | str:
     group = key.group_shape
     per_row = group in (PER_TENSOR, PER_ROW)
     if key.dtype in (FP8, INT8) and key.scale.dtype != E8M0 and per_row:
-        return ("fp8" if key.dtype == FP8 else "int8", "row", (1, 1), False)
+        return (Element.FP8 if key.dtype == FP8 else Element.INT8, ScaleMode.ROW, (1, 1), False)
     if key.dtype == FP8 and key.scale.dtype == E8M0 and (group.row, group.col) == (1, 32):
-        return ("fp8", "mx", (1, 32), False)
+        return (Element.FP8, ScaleMode.MX, (1, 32), False)
     if key.dtype == FP8 and group.row > 1 and _power_of_2(group.row) and _power_of_2(group.col):
-        return ("fp8", "block", (group.row, group.col), False)
+        return (Element.FP8, ScaleMode.BLOCK, (group.row, group.col), False)
     if key.dtype == FP4 and key.scale.dtype == E8M0 and (group.row, group.col) == (1, 32):
-        return ("e2m1", "mx", (1, 32), False)
+        return (Element.E2M1, ScaleMode.MX, (1, 32), False)
     if key.dtype == FP4 and key.scale.dtype == FP8 and group.row == 1 and _power_of_2(group.col):
-        return ("e2m1", "group", (1, group.col), key.scale2 is not None)  # NVFP4
+        return (Element.E2M1, ScaleMode.GROUP, (1, group.col), key.scale2 is not None)  # NVFP4
     if key.dtype == INT4 and group.row == 1 and _power_of_2(group.col):
-        return ("int4", "group", (1, group.col), False)
+        return (Element.INT4, ScaleMode.GROUP, (1, group.col), False)
     return f"no Triton GEMM for weight {key}"
 
 
-def _activation_format(key: QuantKey | None) -> tuple[str, str, int] | str:
+def _activation_format(key: QuantKey | None) -> tuple[Element, ScaleMode, int] | str:
     if key is None:
-        return ("float", "none", 0)
+        return (Element.FLOAT, ScaleMode.NONE, 0)
     scheme = activation_scheme(key)
     if isinstance(scheme, str):
         return scheme
     element, scale, group = scheme
-    return (element, "row" if scale == "tensor" else scale, group)  # per-tensor: a row scale of stride 0
+    return (element, ScaleMode.ROW if scale == ScaleMode.TENSOR else scale, group)  # per-tensor: stride-0 rows
 
 
 def gemm_scheme(weight: QuantKey, activation: QuantKey | None) -> GemmScheme | str:
@@ -92,39 +122,39 @@ def gemm_scheme(weight: QuantKey, activation: QuantKey | None) -> GemmScheme | s
     a_format, a_scale, a_group_k = a
     scheme = dict(a_format=a_format, a_scale=a_scale, b_format=b_format, b_scale=b_scale, b_group=b_group)
     scheme.update(a_group_k=a_group_k, has_scale2=has_scale2)
-    if b_scale == "mx" or a_scale == "mx":
-        if b_scale != "mx" or a_scale not in ("none", "mx"):
+    if b_scale == ScaleMode.MX or a_scale == ScaleMode.MX:
+        if b_scale != ScaleMode.MX or a_scale not in (ScaleMode.NONE, ScaleMode.MX):
             return f"MX weights pair with unquantized or MX activations only ({weight} x {activation})"
-        return GemmScheme(mode="dot_scaled", **scheme)
-    if a_format == "float":
-        return GemmScheme(mode="dequant", **scheme)
+        return GemmScheme(mode=GemmMode.DOT_SCALED, **scheme)
+    if a_format == Element.FLOAT:
+        return GemmScheme(mode=GemmMode.DEQUANT, **scheme)
     if a_format != b_format:
         return f"activation {activation} and weight {weight} have different element types"
-    if a_format == "int8" and (a_scale, b_scale) != ("row", "row"):
+    if a_format == Element.INT8 and (a_scale, b_scale) != (ScaleMode.ROW, ScaleMode.ROW):
         return "INT8 x INT8 needs per-token activations and per-channel weights (int32 accumulation)"
-    if b_scale == "group":
+    if b_scale == ScaleMode.GROUP:
         return f"weight {weight} has K-group scales; only block scales combine with FP8 activations"
-    return GemmScheme(mode="dot", **scheme)
+    return GemmScheme(mode=GemmMode.DOT, **scheme)
 
 
 def _power_of_2(n: int) -> bool:
     return n > 0 and n & (n - 1) == 0
 
 
-def activation_scheme(key: QuantKey) -> tuple[str, str, int] | str:
+def activation_scheme(key: QuantKey) -> tuple[Element, ScaleMode, int] | str:
     """(ELEMENT, SCALE, GROUP) for a dynamic activation key, or why there is no kernel for it."""
     if key.static:
         return f"{key} is a static (weight) key; activations are quantized with dynamic keys"
     if key.dtype not in (FP8, INT8) or key.scale2 is not None:
         return f"no Triton activation quantization for {key} (FP8 and INT8 elements only)"
-    element = "fp8" if key.dtype == FP8 else "int8"
+    element = Element.FP8 if key.dtype == FP8 else Element.INT8
     group = key.group_shape
     if group == PER_TENSOR:
-        return (element, "tensor", 0)
+        return (element, ScaleMode.TENSOR, 0)
     if group == PER_ROW:
-        return (element, "row", 0)
+        return (element, ScaleMode.ROW, 0)
     if group.row == 1 and group.col > 1 and _power_of_2(group.col):
         if key.scale.dtype == E8M0:
-            return (element, "mx", group.col) if element == "fp8" else f"no INT8 MX scheme ({key})"
-        return (element, "group", group.col)
+            return (element, ScaleMode.MX, group.col) if element == Element.FP8 else f"no INT8 MX scheme ({key})"
+        return (element, ScaleMode.GROUP, group.col)
     return f"no Triton activation quantization for group shape {group} ({key})"

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from . import tuning
-from .scheme import gemm_scheme
+from .scheme import ScaleMode, gemm_scheme
 
 BLOCK_N = (64, 128, 256)
 LAUNCH = ((4, 3), (8, 3), (8, 4))  # (num_warps, num_stages)
@@ -46,6 +46,7 @@ def sweep(experts, top_k, hidden, intermediate, format_name, token_counts, budge
     """{tokens: (best config, its ms, the default config's ms)} for the token counts done in budget."""
     import triton.testing
 
+    from ...moe_problem import GatedActivation, GateUpLayout, MoEActivation, MoEProblem
     from ...quant_registry import formats
     from ...quant_registry.spec import QuantSpec
     from .moe import fused_moe
@@ -61,10 +62,11 @@ def sweep(experts, top_k, hidden, intermediate, format_name, token_counts, budge
     for tokens in token_counts:
         x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
         weights, ids = torch.randn(tokens, experts, device="cuda").softmax(-1).topk(top_k, dim=-1)
-        args = (x, weights, ids, w13, w2, None, None, None, spec.activation, "silu", "concat", False, 1.702, 7.0)
+        gated = GatedActivation(MoEActivation.SILU, GateUpLayout.CONCAT)
+        problem = MoEProblem(x, weights, ids, w13, w2, gated, activation_key=spec.activation)
 
-        def run(config, args=args):
-            return lambda: fused_moe(*args, config=config)
+        def run(config, problem=problem):
+            return lambda: fused_moe(problem, config=config)
 
         default_ms = triton.testing.do_bench(
             run(tuning.default_moe_config(tokens, experts, top_k, scheme, tuning.target_sm()))
@@ -109,7 +111,7 @@ def main(argv=None) -> int:
 
     spec = QuantSpec.coerce(args.format, "format")
     scheme = gemm_scheme(spec.weight, spec.activation)
-    block = scheme.b_group if scheme.b_scale == "block" else None
+    block = scheme.b_group if scheme.b_scale == ScaleMode.BLOCK else None
     name = tuning.config_file_name(args.experts, args.intermediate, tuning.device_name(), scheme.name, block)
     timings = ", ".join(f"T={t}: {ms:.4f} ms vs default {base:.4f} ms" for t, (_, ms, base) in results.items())
     source = (

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .scheme import GemmScheme
+from .scheme import Element, GemmMode, GemmScheme, ScaleMode
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 M_BUCKETS = (16, 64, 256, 1024, 4096)  # decode, small batch, ..., prefill: one autotune run per bucket
@@ -41,12 +41,12 @@ def fit_block_k(config: dict, scheme: GemmScheme) -> dict:
     """Clamp BLOCK_K to what the scheme allows: a K step must sit inside one scale group when scales are
     applied per step (1x128 activations, 128x128 blocks), and cover whole e8m0 groups for MX."""
     limits = [
-        scheme.a_group_k if scheme.a_scale == "group" else 0,
-        scheme.b_group[1] if scheme.b_scale == "block" else 0,
+        scheme.a_group_k if scheme.a_scale == ScaleMode.GROUP else 0,
+        scheme.b_group[1] if scheme.b_scale == ScaleMode.BLOCK else 0,
     ]
-    if scheme.mode == "dot" and any(limits):
+    if scheme.mode == GemmMode.DOT and any(limits):
         config["BLOCK_K"] = min([config["BLOCK_K"], *[limit for limit in limits if limit]])
-    if scheme.mode == "dot_scaled":
+    if scheme.mode == GemmMode.DOT_SCALED:
         config["BLOCK_K"] = max(config["BLOCK_K"], 32)
     return config
 
@@ -69,7 +69,7 @@ def dense_gemm_configs(n: int, k: int, m_bucket: int, scheme: GemmScheme | None 
     thread; INT8's int32 one alone fits: kept for INT8), 128x128 with 4 warps, and for tl.dot_scaled
     (MX, sm90) 16x128x256 decode and 64x128 4-warp tiles (12-116 B each).
     """
-    mx = scheme is not None and scheme.mode == "dot_scaled"
+    mx = scheme is not None and scheme.mode == GemmMode.DOT_SCALED
     if m_bucket <= 16:
         shapes = [(bn, bk) for bn in (32, 64, 128) for bk in (128, 256) if not (mx and bn * bk > 128 * 128)]
         configs = [_config(16, bn, bk, 1, 4, stages) for bn, bk in shapes for stages in (3, 5)]
@@ -79,7 +79,7 @@ def dense_gemm_configs(n: int, k: int, m_bucket: int, scheme: GemmScheme | None 
     else:
         configs = [_config(128, 128, 64, 8, 8, 3), _config(128, 128, 128, 8, 8, 3), _config(128, 128, 128, 8, 8, 4)]
         configs += [_config(64, 256, 128, 8, 8, 3)] + [_config(64, 128, 128, 8, 4, 4)] * (not mx)
-        if scheme is not None and scheme.a_format == "int8":
+        if scheme is not None and scheme.a_format == Element.INT8:
             configs += [_config(128, 256, 128, 8, 8, 3)]
     if n < 128:  # no tile wider than the matrix
         configs = [c for c in configs if c["BLOCK_N"] <= max(32, n)] or configs[:1]
@@ -147,12 +147,12 @@ def default_moe_config(tokens: int, num_experts: int, top_k: int, scheme: GemmSc
     Block-FP8 keeps BLOCK_K = 128.
     """
     rows_per_expert = tokens * top_k / max(num_experts, 1)
-    emulated_mx = scheme.mode == "dot_scaled" and (sm or 90) < 100
+    emulated_mx = scheme.mode == GemmMode.DOT_SCALED and (sm or 90) < 100
     if rows_per_expert <= 16:
         config = _config(16, 64, 128, 1, 4, 4)
     elif rows_per_expert <= 128:
         config = _config(32, 64, 128, 8, 4, 3)
-    elif scheme.b_scale == "block" or scheme.a_scale == "group" or emulated_mx:
+    elif scheme.b_scale == ScaleMode.BLOCK or scheme.a_scale == ScaleMode.GROUP or emulated_mx:
         config = _config(64, 128, 128, 16, 8, 4)
     else:
         config = _config(128, 128, 128, 16, 8, 4)
@@ -200,7 +200,7 @@ def moe_config(
     config_dir: Path | None = None,
 ) -> dict:
     """The tuned config of the nearest M in this shape's JSON file, else `default_moe_config`."""
-    block_shape = scheme.b_group if scheme.b_scale == "block" else None
+    block_shape = scheme.b_group if scheme.b_scale == ScaleMode.BLOCK else None
     name = config_file_name(num_experts, intermediate_size, device or device_name(), scheme.name, block_shape)
     table = _load((config_dir or CONFIG_DIR) / name)
     if table:
