@@ -7,8 +7,8 @@ import torch
 
 from ..kernels import ops
 from ..kernels.oracle import Selection
+from ..patterns.fx_match import value
 from ..patterns.moe_expert_gemms import ExpertGemmSite
-from ..patterns.moe_subgraph import value
 from ..patterns.site import ParamRef
 from ..quant_registry.spec import QuantSpec
 from .lower_site import SiteLowering

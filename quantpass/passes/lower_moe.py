@@ -8,8 +8,9 @@ import torch.fx as fx
 
 from ..kernels import ops
 from ..patterns.expert_parallel import ExpertParallelMoESite, expert_map
+from ..patterns.fx_match import value
 from ..patterns.moe import MoESite
-from ..patterns.moe_subgraph import erase_dead, value
+from ..patterns.moe_subgraph import erase_dead
 from ..quant_registry.formats import concat_rows
 from .lower_site import SiteLowering
 

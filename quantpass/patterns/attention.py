@@ -27,6 +27,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..problem import Problem
+from .fx_match import value
 from .linear import LinearSite, _module_fqn
 from .site import ParamRef
 
@@ -100,7 +101,7 @@ ENCODER_LAYER = AttentionCall(
     "torch._transformer_encoder_layer_fwd (nn.TransformerEncoderLayer's fast path)",
     _schema_arguments(torch.ops.aten._transformer_encoder_layer_fwd.default),
     lambda a: [*_IN_OUT, ("linear1", "ffn_weight_1", "ffn_bias_1"), ("linear2", "ffn_weight_2", "ffn_bias_2")],
-    lambda a: "a nested-tensor input" if getattr(_value(a["src"]), "is_nested", False) else None,
+    lambda a: "a nested-tensor input" if getattr(value(a["src"]), "is_nested", False) else None,
 )
 CALLS = {
     F.multi_head_attention_forward: MHA,
@@ -109,10 +110,6 @@ CALLS = {
     torch._transformer_encoder_layer_fwd: ENCODER_LAYER,
     torch.ops.aten._transformer_encoder_layer_fwd.default: ENCODER_LAYER,
 }
-
-
-def _value(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
 @dataclass
@@ -138,10 +135,10 @@ def find_attention_sites(graph: fx.Graph, params: dict[fx.Node, ParamRef], claim
         unsupported = call.unsupported(arguments)
         for slot, weight_name, bias_name in call.projections(arguments):
             weight = arguments[weight_name]
-            value = _value(weight)
-            if value is None or value.dim() != 2:
+            stored = value(weight)
+            if stored is None or stored.dim() != 2:
                 continue
-            n, k = (int(d) for d in value.shape)
+            n, k = (int(d) for d in stored.shape)
             bias = arguments[bias_name] if bias_name else None
             ref = params.get(weight)
             if ref is None:

@@ -22,9 +22,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.fx as fx
 
+from .fx_match import op_name
 from .moe import MoESite
 from .moe_interpreter import ids_root
-from .moe_subgraph import op_name
 
 EP_META = "quantpass_expert_parallel"  # on the normalized `where`: its LocalExperts
 MASK_VIEWS = {"unsqueeze", "expand", "view", "reshape", "expand_as"}

@@ -16,7 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..problem import Problem
-from .moe_subgraph import LINEAR_TARGETS, ROUTER_HOPS, argument
+from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument
 from .site import ParamRef, Site, param_refs
 
 MATMUL_TARGETS = {operator.matmul, torch.matmul}

@@ -21,11 +21,12 @@ import torch
 import torch.fx as fx
 
 from ..problem import Problem
+from .fx_match import argument, op_name, shape, value
 from .moe_expert_gemms import ExpertGemmSite, ExpertMatmul, expert_gemm_site
 from .moe_interpreter import hidden_root, ids_root, prove
 from .moe_modulelist import find_module_list_experts
 from .moe_rules import DOWN, UP, NotProven, same, sym
-from .moe_subgraph import argument, collect_region, extract, op_name, shape, value
+from .moe_subgraph import collect_region, extract
 from .site import ParamRef, Site, param_refs
 
 

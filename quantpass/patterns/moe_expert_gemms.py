@@ -17,7 +17,7 @@ import torch.fx as fx
 
 from ..passes.fx_utils import mutated
 from ..problem import Problem
-from .moe_subgraph import op_name, value
+from .fx_match import op_name, value
 from .site import ParamRef, Site
 
 
