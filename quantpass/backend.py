@@ -17,8 +17,8 @@ import torch
 from . import envs
 from .debug import dump_compile
 from .lowering import LOWERINGS, lower
-from .passes.manager import QuantizePass
 from .passes.quantize import Binding
+from .passes.quantize_pass import QuantizePass
 from .plan import Plan
 from .quant_registry.spec import QuantizationConfig
 from .weight_cache import WEIGHTS, install_eager_guard

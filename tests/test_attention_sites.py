@@ -4,7 +4,7 @@ Dynamo keeps `nn.MultiheadAttention` as one `F.multi_head_attention_forward` cal
 `torch.no_grad()`, `nn.TransformerEncoderLayer` as one `torch._transformer_encoder_layer_fwd` call:
 before `patterns/attention.py` their in_proj/out_proj (and the encoder's FFN) weights were never
 quantized and had no plan row. The rewritten call computes the same thing through
-`patterns/attention_math.py`; its dense form is checked against PyTorch's own ops here, option by
+`passes/attention_math.py`; its dense form is checked against PyTorch's own ops here, option by
 option, and the quantized models against eager.
 """
 
@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 import quantpass as qp
 from quantpass.metrics import cosine
-from quantpass.patterns import attention_math as am
+from quantpass.passes import attention_math as am
 
 E, HEADS, L, S, B = 32, 4, 7, 5, 3  # odd sequence lengths
 FLOOR = {"int8_weight_only": 0.999, "fp8_per_channel": 0.99, "nvfp4": 0.95}

@@ -15,7 +15,7 @@ from quantpass.backend import QuantpassBackend
 from quantpass.kernels import reference
 from quantpass.metrics import cosine
 from quantpass.passes.fx_utils import op_counts
-from quantpass.passes.manager import QuantizePass
+from quantpass.passes.quantize_pass import QuantizePass
 from quantpass.quant_registry.spec import SHORTHANDS
 from quantpass.weight_cache import WEIGHTS
 

@@ -14,6 +14,7 @@ from tiny_moe_models import GatherEinsumMoE, ModuleListMoE, OneLayer, SortedExpe
 
 from quantpass.metrics import cosine, sqnr
 from quantpass.passes.fx_utils import add_placeholders, copy_graph_module, op_counts, set_placeholder_values
+from quantpass.passes.lower import lowering_for
 from quantpass.passes.quantize import quantize_site
 from quantpass.patterns.moe import find_moe_sites
 from quantpass.patterns.moe_expert_gemms import ExpertMatmul, expert_gemm_site
@@ -75,7 +76,7 @@ def rewrite_all(gm, example_inputs, spec=SPEC, corrupt=None):
         set_placeholder_values(gm.graph, placeholders, tensors)
         nodes = iter(placeholders)
         weights = [[next(nodes), next(nodes), next(nodes) if qt.scale2 is not None else None, None] for qt in qtensors]
-        site.rewrite(gm.graph, weights, spec, "reference", "cpu")
+        lowering_for(site).rewrite(site, gm.graph, weights, spec, "reference", "cpu")
         extra += tensors
     gm.graph.lint()
     gm.recompile()
@@ -130,17 +131,19 @@ def check_sites(name, matches):
 def check_region(model, site, values):
     """run_original (the graph's own nodes, extracted) == the model's experts module, on sample routing;
     the quantized op agrees with it to INT8 accuracy."""
-    hidden, topk_weights, topk_ids = site.sample_inputs(None, "cpu", None)
+    hidden, topk_weights, topk_ids = lowering_for(site).sample_inputs(site, None, "cpu", None)
     with torch.no_grad():
         expected = model.get_submodule(site.fqn)(hidden, topk_ids, topk_weights)
     torch.testing.assert_close(
-        site.run_original([hidden, topk_weights, topk_ids], values), expected, rtol=1e-5, atol=1e-6
+        lowering_for(site).run_original(site, [hidden, topk_weights, topk_ids], values), expected, rtol=1e-5, atol=1e-6
     )
     quantized = quantize_site(site, values, SPEC, "reference")
     experts, intermediate, hidden_size = site.problem.experts, site.problem.n, site.problem.k
     shapes = [(experts, 2 * intermediate, hidden_size), (experts, hidden_size, intermediate)]
     assert [tuple(q.shape) for q in quantized] == shapes  # [E, 2I, H], [E, H, I] whatever the storage
-    result = site.run_quantized([hidden, topk_weights, topk_ids], quantized, SPEC, "reference", "cpu")
+    result = lowering_for(site).run_quantized(
+        site, [hidden, topk_weights, topk_ids], quantized, SPEC, "reference", "cpu"
+    )
     assert sqnr(expected, result) > 25.0, site.fqn  # INT8 W8A8 experts measure ~35-40 dB
 
 
@@ -162,9 +165,11 @@ def test_gather_einsum_experts(gate):
     up = "w3" if gate == "w1" else "w1"
     assert (site.fqn, site.form, site.activation) == ("layers.0.mlp", "einsum", "silu")
     assert [p.name for p in site.params] == [f"layers.0.mlp.{gate}", f"layers.0.mlp.{up}", "layers.0.mlp.w2"]
-    inputs = site.sample_inputs(None, "cpu", None)
+    inputs = lowering_for(site).sample_inputs(site, None, "cpu", None)
     expected = model.layers[0]["mlp"].experts(*inputs)
-    torch.testing.assert_close(site.run_original(inputs, [example_inputs[p.index] for p in site.params]), expected)
+    torch.testing.assert_close(
+        lowering_for(site).run_original(site, inputs, [example_inputs[p.index] for p in site.params]), expected
+    )
     similarity, ops = logits_cosine(gm, example_inputs)
     assert ops["quantpass.fused_moe"] == 1 and ops["torch.functional.einsum"] == 0 and similarity >= 0.99
 
@@ -250,4 +255,6 @@ def test_dynamic_token_count():
         values = [example_inputs[p.index] for p in sites[0].params]
         with torch.no_grad():
             expected = model.get_submodule(sites[0].fqn)(hidden, topk_ids, topk_weights)
-        torch.testing.assert_close(sites[0].run_original([hidden, topk_weights, topk_ids], values), expected)
+        torch.testing.assert_close(
+            lowering_for(sites[0]).run_original(sites[0], [hidden, topk_weights, topk_ids], values), expected
+        )

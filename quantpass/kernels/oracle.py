@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import envs
-from ..moe_problem import MoEActivation
+from ..problem import Problem  # pure data, shared with detection (patterns/)
 from ..quant_registry import keys as k
 from ..quant_registry.keys import QuantKey
 from ..quant_registry.names import Kind
@@ -143,22 +143,6 @@ def _detect(device_type: str, index: int | None) -> Capability:
         major, minor = torch.cuda.get_device_capability(index)
         sm = major * 10 + minor
     return Capability(device_type, sm, libs, envs.triton_interpret(), hip)
-
-
-@dataclass(frozen=True)
-class Problem:
-    """The sizes a kernel's capability can depend on. `m` is None when the token count is dynamic.
-
-    linear: n = out features, k = in features. moe: n = intermediate size, k = hidden size.
-    """
-
-    n: int
-    k: int
-    m: int | None = None
-    experts: int = 0
-    topk: int = 0
-    activation: MoEActivation | str | None = None  # moe: the gated activation (moe_problem.ACTIVATIONS)
-    has_bias: bool = False  # moe: expert biases
 
 
 @dataclass(frozen=True)

@@ -1,1 +1,2 @@
-"""Graph passes: the quantize rewrite, verification, and the pass manager."""
+"""Graph passes: the quantize pass (`quantize_pass.QuantizePass`), the rewrite of every matched site
+(`quantize.py`, with each kind's lowering in `lower_*.py`), building and verifying the weights."""

@@ -33,6 +33,8 @@ from ..quant_registry.spec import QuantizationConfig, QuantSpec
 from ..weight_cache import WEIGHTS
 from .build import build_and_verify
 from .fx_utils import add_placeholders, copy_graph, eliminate_dead_code, set_placeholder_values
+from .lower import lowering_for
+from .lower_site import SiteLowering
 
 logger = logging.getLogger("quantpass")
 
@@ -46,6 +48,10 @@ class QuantizedSite:
     row: PlanRow
     binding: Binding | None = None
     probe: tuple[list[fx.Node], fx.Node] | None = None  # (input nodes, output node) in Dynamo's graph
+
+    @property
+    def lowering(self) -> SiteLowering:
+        return lowering_for(self.site)
 
 
 @dataclass(eq=False)
@@ -116,16 +122,14 @@ def plan_sites(
     """Decide every site: a QuantizedSite, or a PlanRow saying why it is left alone."""
     decided = []
     for site in sites:
-        config_kind = getattr(site, "config_kind", site.kind)
         left = lambda reason, s=site: PlanRow(s.fqn, s.kind, None, None, None, reason)  # noqa: E731
         if site.skip_reason:
             decided.append(left(site.skip_reason))
             continue
         declared = declared_spec(site, example_inputs)
-        spec, why = config.resolve_with_reason(site.fqn, config_kind, *(declared or ()), requantize=requantize)
-        default_ignore = getattr(site, "default_ignore", None)
-        if spec is not None and default_ignore and not config.matches_target(site.fqn) and declared is None:
-            decided.append(left(f"{default_ignore}: left alone by default (name it in targets to quantize)"))
+        spec, why = config.resolve_with_reason(site.fqn, site.config_kind, *(declared or ()), requantize=requantize)
+        if spec is not None and site.default_ignore and not config.matches_target(site.fqn) and declared is None:
+            decided.append(left(f"{site.default_ignore}: left alone by default (name it in targets to quantize)"))
             continue
         if spec is None:
             decided.append(left(why))
@@ -137,7 +141,7 @@ def plan_sites(
         values = [example_inputs[p.index] for p in site.params]
         capability = Capability.detect(values[0].device)
         try:
-            spec, selection = site.choose_backend(spec, capability, config.backend_for(site.kind))
+            spec, selection = lowering_for(site).choose_backend(site, spec, capability, config.backend_for(site.kind))
         except NoKernelError as e:
             raise NoKernelError(f"layer {site.fqn!r}: {e}") from None
         notes = "".join(f"; {note}" for note in [*site.notes, *check_shards(site, values, spec)])
@@ -178,17 +182,19 @@ def quantized_weight(param: torch.Tensor, ref: ParamRef, spec: QuantSpec) -> QTe
 
 def quantize_site(site: Site, params: list[torch.Tensor], spec: QuantSpec, backend: str) -> list[QTensor]:
     """A site's weights as its rewritten op takes them: each parameter quantized, then prepared."""
-    return site.prepare([quantized_weight(p, ref, spec) for p, ref in zip(params, site.params)], spec, backend)
+    weights = [quantized_weight(p, ref, spec) for p, ref in zip(params, site.params)]
+    return lowering_for(site).prepare(site, weights, spec, backend)
 
 
 def _binding(q: QuantizedSite) -> Binding:
-    site, spec, backend = q.site, q.spec, q.backend
-    token = (type(site).__name__, spec.pair, backend, tuple(p.transposed for p in site.params), site.signature())
+    site, spec, backend, lowering = q.site, q.spec, q.backend, q.lowering
+    transposes = tuple(p.transposed for p in site.params)
+    token = (type(site).__name__, spec.pair, backend, transposes, lowering.signature(site))
     binding = Binding(tuple(p.index for p in site.params), WEIGHTS.intern(token))
 
     def build(params):
         weights = [quantized_weight(p, ref, spec) for p, ref in zip(params, site.params)]
-        qtensors = site.prepare(weights, spec, backend)
+        qtensors = lowering.prepare(site, weights, spec, backend)
         for param, ref, weight, release in zip(params, site.params, weights, binding.release):
             if release:  # the source for restoring and for other layouts once its storage is freed
                 WEIGHTS.set_canonical(param, (spec.weight, ref.transposed), weight)
@@ -210,15 +216,16 @@ def _rewrite(graph: fx.Graph, chosen: list[QuantizedSite], differentiable: bool)
         has_scale2, static = q.spec.weight.scale2 is not None, needs_input_scale(q.spec.activation)
         if not binding.nodes:
             slots = 2 + has_scale2 + static  # data, scale (, scale2) (, input_scale)
-            names = [f"quantpass_{q.site.fqn.replace('.', '_')}_{i}" for i in range(q.site.weight_count * slots)]
+            count = q.lowering.weight_count(q.site) * slots
+            names = [f"quantpass_{q.site.fqn.replace('.', '_')}_{i}" for i in range(count)]
             binding.nodes = add_placeholders(graph, names)
         q.binding = binding
         nodes = iter(binding.nodes)
         present = (True, True, has_scale2, static)
-        weights = [[next(nodes) if p else None for p in present] for _ in range(q.site.weight_count)]
+        weights = [[next(nodes) if p else None for p in present] for _ in range(q.lowering.weight_count(q.site))]
         q.site.remap(replaced)
         old = q.site.output_node
-        replaced[old] = q.site.rewrite(graph, weights, q.spec, q.backend, q.device_type, differentiable)
+        replaced[old] = q.lowering.rewrite(q.site, graph, weights, q.spec, q.backend, q.device_type, differentiable)
     return list(bindings.values())
 
 

@@ -52,16 +52,17 @@ def rows(value):
 def verify_site(q, example_inputs, inputs=None, original=None) -> float:
     """SQNR of the quantized site against the original on `inputs` (real activations, with the
     original's output there), or on sample inputs when None. Raises below the format's floor."""
-    site = q.site
+    site, lowering = q.site, q.lowering
     values = [example_inputs[p.index] for p in site.params]
     with torch.no_grad():
         if inputs is None:
-            inputs = site.sample_inputs(_like(example_inputs), values[0].device, values[0].dtype)
+            inputs = lowering.sample_inputs(site, _like(example_inputs), values[0].device, values[0].dtype)
             inputs[0] = _calibrated(inputs[0], q, example_inputs)
             values = [WEIGHTS.dense(v) if WEIGHTS.is_released(v) else v for v in values]  # a recompile's
             values = [local_tensor(v) for v in values]  # a sharded weight: the shard the site computes with
-            original = site.run_original(inputs, values)
-        quantized = site.run_quantized(inputs, q.binding.qtensors(example_inputs), q.spec, q.backend, q.device_type)
+            original = lowering.run_original(site, inputs, values)
+        qtensors = q.binding.qtensors(example_inputs)
+        quantized = lowering.run_quantized(site, inputs, qtensors, q.spec, q.backend, q.device_type)
     value = sqnr(original.reshape(quantized.shape), quantized)
     q.row.reason += f"; verified {value:.1f} dB"
     floor = floor_db(q)

@@ -1,1 +1,1 @@
-"""Pattern matchers: find linear and MoE sites in Dynamo graphs."""
+"""Detection: find linear and MoE sites in Dynamo graphs (what a site is; `passes/` lowers them)."""

@@ -8,9 +8,10 @@ itself. No linear pattern sees into them, so their weights were silently left al
 
 Each projection weight of such a call becomes a `ProjectionSite`: an ordinary linear site (its own
 plan row, FQN, config resolution, backend choice, verify on a sample through its own GEMM) whose
-rewrite replaces the call, the first time, by its `attention_math` equivalent with every
-projection a dense slot, then turns its own slot quantized. A projection left alone keeps its dense
-slot, so one layer can be ignored while the others are quantized. A call the equivalent doesn't
+rewrite (`passes/lower_attention.py`) replaces the call, the first time, by its
+`passes/attention_math.py` equivalent with every projection a dense slot, then turns its own slot
+quantized. A projection left alone keeps its dense slot, so one layer can be ignored while the
+others are quantized. A call the equivalent doesn't
 cover (dropout in training mode, `static_k`/`static_v`) is left as it is, and each of its
 projections gets a plan row saying why.
 """
@@ -25,8 +26,8 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..kernels.oracle import Problem
-from . import attention_math as math_
+from ..problem import Problem
+from .fx_match import value
 from .linear import LinearSite, _module_fqn
 from .site import ParamRef
 
@@ -34,15 +35,13 @@ DECOMPOSED = "rewritten as linears + scaled_dot_product_attention"
 
 
 @dataclass(frozen=True)
-class _Call:
-    """One opaque op: its arguments by name, its projections (slot, weight, bias) and the helper call."""
+class AttentionCall:
+    """One opaque op: its arguments by name, its projections (slot, weight, bias), what it can't cover."""
 
     name: str
     arguments: Callable[[fx.Node], dict]
     projections: Callable[[dict], list[tuple[str, str, str | None]]]
     unsupported: Callable[[dict], str | None]
-    helper: Callable
-    helper_kwargs: Callable[[dict, dict], dict]  # (arguments, dense slots) -> the helper's kwargs
 
 
 def _python_arguments(function) -> Callable[[fx.Node], dict]:
@@ -85,95 +84,44 @@ def _mha_unsupported(a: dict) -> str | None:
     return None
 
 
-def _mha_kwargs(a: dict, slots: dict) -> dict:
-    keep = ("query", "key", "value", "num_heads", "bias_k", "bias_v", "add_zero_attn", "key_padding_mask")
-    keep += ("need_weights", "attn_mask", "average_attn_weights", "is_causal", "dropout_p")
-    kwargs = {name: a[name] for name in keep}
-    kwargs["in_bias"] = a["in_proj_bias"] if a["use_separate_proj_weight"] else None
-    return {**kwargs, **slots}
-
-
-def _native_kwargs(a: dict, slots: dict) -> dict:
-    names = ("query", "key", "value", "mask", "need_weights", "average_attn_weights", "mask_type")
-    return {"num_heads": a["num_head"], **{n: a[n] for n in names}, **slots}
-
-
-def _encoder_kwargs(a: dict, slots: dict) -> dict:
-    names = ("src", "num_heads", "use_gelu", "norm_first", "eps", "mask", "mask_type")
-    norms = {f"norm{i}": (a[f"norm_weight_{i}"], a[f"norm_bias_{i}"]) for i in (1, 2)}
-    return {**{n: a[n] for n in names}, **norms, **slots}
-
-
 _IN_OUT = [("in_proj", "qkv_weight", "qkv_bias"), ("out_proj", "proj_weight", "proj_bias")]
-_MHA = _Call(
+MHA = AttentionCall(
     "F.multi_head_attention_forward (nn.MultiheadAttention)",
     _python_arguments(F.multi_head_attention_forward),
     _mha_projections,
     _mha_unsupported,
-    math_.multi_head_attention,
-    _mha_kwargs,
 )
-_NATIVE = _Call(
+NATIVE_MHA = AttentionCall(
     "torch._native_multi_head_attention",
     _schema_arguments(torch.ops.aten._native_multi_head_attention.default),
     lambda a: _IN_OUT,
     lambda a: None,
-    math_.native_multi_head_attention,
-    _native_kwargs,
 )
-_ENCODER = _Call(
+ENCODER_LAYER = AttentionCall(
     "torch._transformer_encoder_layer_fwd (nn.TransformerEncoderLayer's fast path)",
     _schema_arguments(torch.ops.aten._transformer_encoder_layer_fwd.default),
     lambda a: [*_IN_OUT, ("linear1", "ffn_weight_1", "ffn_bias_1"), ("linear2", "ffn_weight_2", "ffn_bias_2")],
-    lambda a: "a nested-tensor input" if getattr(_value(a["src"]), "is_nested", False) else None,
-    math_.transformer_encoder_layer,
-    _encoder_kwargs,
+    lambda a: "a nested-tensor input" if getattr(value(a["src"]), "is_nested", False) else None,
 )
 CALLS = {
-    F.multi_head_attention_forward: _MHA,
-    torch._native_multi_head_attention: _NATIVE,
-    torch.ops.aten._native_multi_head_attention.default: _NATIVE,
-    torch._transformer_encoder_layer_fwd: _ENCODER,
-    torch.ops.aten._transformer_encoder_layer_fwd.default: _ENCODER,
+    F.multi_head_attention_forward: MHA,
+    torch._native_multi_head_attention: NATIVE_MHA,
+    torch.ops.aten._native_multi_head_attention.default: NATIVE_MHA,
+    torch._transformer_encoder_layer_fwd: ENCODER_LAYER,
+    torch.ops.aten._transformer_encoder_layer_fwd.default: ENCODER_LAYER,
 }
-HELPERS = {call.helper: call for call in CALLS.values()}
-
-
-def _value(node):
-    return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 
 
 @dataclass
 class ProjectionSite(LinearSite):
-    """One projection of an opaque attention call (`node`); `slot` names it in the helper's kwargs."""
+    """One projection of an opaque attention call (`node`); `slot` names it among the call's projections."""
 
     slot: str = ""
-    call: _Call | None = None
+    call: AttentionCall | None = None
 
     @property
     def input_nodes(self) -> list[fx.Node]:
         return []  # the call's output is no projection's: verify runs the projection on a sample
-
-    def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
-        node = self.node if self.node.target in HELPERS else _decompose(graph, self.node, self.call)
-        op_args = self._op_args(None, weights[0], self.bias, spec, backend)[1:]
-        node.update_kwarg(self.slot, ("quantized", backend, device_type, differentiable, op_args))
-        return node
-
-
-def _dense_slots(call: _Call, arguments: dict) -> dict:
-    return {slot: ("dense", arguments[w], arguments[b] if b else None) for slot, w, b in call.projections(arguments)}
-
-
-def _decompose(graph: fx.Graph, node: fx.Node, call: _Call) -> fx.Node:
-    """Replace the opaque call by its `attention_math` helper with every projection dense."""
-    arguments = call.arguments(node)
-    with graph.inserting_before(node):
-        new = graph.call_function(call.helper, (), call.helper_kwargs(arguments, _dense_slots(call, arguments)))
-    new.meta.update(node.meta)
-    node.replace_all_uses_with(new)
-    graph.erase_node(node)
-    return new
 
 
 def find_attention_sites(graph: fx.Graph, params: dict[fx.Node, ParamRef], claimed=frozenset()) -> list[LinearSite]:
@@ -187,10 +135,10 @@ def find_attention_sites(graph: fx.Graph, params: dict[fx.Node, ParamRef], claim
         unsupported = call.unsupported(arguments)
         for slot, weight_name, bias_name in call.projections(arguments):
             weight = arguments[weight_name]
-            value = _value(weight)
-            if value is None or value.dim() != 2:
+            stored = value(weight)
+            if stored is None or stored.dim() != 2:
                 continue
-            n, k = (int(d) for d in value.shape)
+            n, k = (int(d) for d in stored.shape)
             bias = arguments[bias_name] if bias_name else None
             ref = params.get(weight)
             if ref is None:
@@ -201,7 +149,7 @@ def find_attention_sites(graph: fx.Graph, params: dict[fx.Node, ParamRef], claim
                 reason = None if unsupported is None else f"inside {call.name} with {unsupported}: not decomposed"
             site = ProjectionSite(fqn, refs, Problem(n, k), reason, node=node, bias=bias, slot=slot, call=call)
             site.notes.append(f"inside {call.name}: {DECOMPOSED}")
-            cross = call is not _ENCODER and not (arguments["query"] is arguments["key"] is arguments["value"])
+            cross = call is not ENCODER_LAYER and not (arguments["query"] is arguments["key"] is arguments["value"])
             if slot == "in_proj" and cross:
                 site.notes.append("not self-attention: the packed [3E, E] projection runs on each distinct input")
             sites.append(site)

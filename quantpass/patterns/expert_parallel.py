@@ -22,9 +22,9 @@ from dataclasses import dataclass, fields
 import torch
 import torch.fx as fx
 
+from .fx_match import op_name
 from .moe import MoESite
 from .moe_interpreter import ids_root
-from .moe_subgraph import op_name, value
 
 EP_META = "quantpass_expert_parallel"  # on the normalized `where`: its LocalExperts
 MASK_VIEWS = {"unsqueeze", "expand", "view", "reshape", "expand_as"}
@@ -137,7 +137,6 @@ class ExpertParallelMoESite(MoESite):
     local_ids: fx.Node | None = None
     global_experts: int = 0
     first_expert: int = 0
-    map_node: fx.Node | None = None
 
     @classmethod
     def from_site(cls, site: MoESite, global_experts: int, first_expert: int) -> ExpertParallelMoESite:
@@ -154,34 +153,3 @@ class ExpertParallelMoESite(MoESite):
 
     def expert_map(self, device) -> torch.Tensor:
         return expert_map(self.global_experts, self.first_expert, self.problem.experts, device)
-
-    def _op_args(self, hidden, topk_weights, topk_ids, weights, b13, b2, spec, backend):
-        args = list(super()._op_args(hidden, topk_weights, topk_ids, weights, b13, b2, spec, backend))
-        assert args[11] is None, "quantpass::fused_moe's expert_map is its 12th argument"
-        args[11] = self.map_node if isinstance(hidden, fx.Node) else self.expert_map(hidden.device)
-        return tuple(args)
-
-    def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
-        device = value(self.hidden).device
-        with graph.inserting_before(self.output):
-            self.map_node = graph.call_function(
-                expert_map, (self.global_experts, self.first_expert, self.problem.experts, device)
-            )
-        self.map_node.meta["val"] = self.map_node.meta["example_value"] = torch.empty(
-            self.global_experts, dtype=torch.int32, device="meta"
-        )
-        return super().rewrite(graph, weights, spec, backend, device_type, differentiable)
-
-    def sample_inputs(self, like, device, dtype):
-        hidden, weights, ids = super().sample_inputs(like, device, dtype)
-        generator = torch.Generator().manual_seed(1)
-        scores = torch.rand(ids.shape[0], self.global_experts, generator=generator)
-        return [hidden, weights, scores.argsort(dim=-1)[:, : ids.shape[1]].to(ids.device, ids.dtype)]
-
-    def run_original(self, inputs, values):
-        """The proven region reads the normalized prologue's local ids and masked weights."""
-        hidden, weights, ids = inputs
-        local = self.expert_map(ids.device)[ids.long()]
-        elsewhere = local < 0
-        local_ids = torch.where(elsewhere, self.problem.experts - 1, local).to(ids.dtype)
-        return super().run_original([hidden, weights.masked_fill(elsewhere, 0), local_ids], values)

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import operator
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..kernels import ops
-from ..kernels.oracle import Problem
-from .moe_subgraph import LINEAR_TARGETS, ROUTER_HOPS, argument
+from ..problem import Problem
+from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument
 from .site import ParamRef, Site, param_refs
 
 MATMUL_TARGETS = {operator.matmul, torch.matmul}
@@ -26,13 +25,12 @@ ADDMM_TARGETS = {torch.addmm}
 
 @dataclass
 class LinearSite(Site):
+    """A linear-like node: `node` computes `x @ W.T (+ bias)`; the rewrite replaces its value."""
+
     kind = "linear"
     node: fx.Node | None = None  # the node whose value the quantized op replaces
     x: fx.Node | None = None
     bias: fx.Node | None = None
-    config_kind: str = "linear"  # "moe" for per-expert linears of an unproven MoE
-    default_ignore: str | None = None  # why the defaults leave it alone (lm_head, tied, router)
-    extra: dict = field(default_factory=dict)
 
     @property
     def output_node(self) -> fx.Node:
@@ -45,38 +43,6 @@ class LinearSite(Site):
     @property
     def input_nodes(self) -> list[fx.Node]:
         return [self.x] if self.bias is None else [self.x, self.bias]
-
-    def prepare(self, weights, spec, backend):
-        return [ops.prepare_weight(backend, "linear", weights[0])]
-
-    def _op_args(self, x, tensors, bias, spec, backend):
-        data, scale, scale2, input_scale = tensors  # input_scale: static activation keys only
-        key, act = ops.key_arg(spec.weight), ops.key_arg(spec.activation)
-        static = () if input_scale is None else (input_scale,)
-        return (x, data, scale, scale2, bias, key, act, backend, self.problem.n, *static)
-
-    def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
-        target = ops.linear_call(backend, device_type, differentiable)
-        with graph.inserting_before(self.node):
-            new = graph.call_function(target, self._op_args(self.x, weights[0], self.bias, spec, backend))
-        new.meta.update(self.node.meta)
-        self.node.replace_all_uses_with(new)
-        graph.erase_node(self.node)
-        return new
-
-    def sample_inputs(self, like, device, dtype):
-        x = torch.randn(16, self.problem.k, device=device, dtype=torch.float32)
-        if like is not None and like.is_floating_point() and like.numel() > 1:
-            x = x * like.float().std() + like.float().mean()
-        return [x.to(dtype)]
-
-    def run_original(self, inputs, values):
-        return F.linear(inputs[0], self.weight.matrix(values[0]).to(inputs[0].dtype))
-
-    def run_quantized(self, inputs, weights, spec, backend, device_type):
-        target = ops.linear_call(backend, device_type)
-        bias = inputs[1] if len(inputs) > 1 else None  # real activations come with the layer's bias
-        return target(*self._op_args(inputs[0], ops.op_tensors(weights[0], spec, self.fqn), bias, spec, backend))
 
 
 def _strip_transpose(node) -> tuple[fx.Node, bool]:

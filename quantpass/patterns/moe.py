@@ -20,17 +20,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from ..kernels import ops
-from ..kernels.oracle import Problem
-from ..quant_registry.formats import concat_rows
+from ..problem import Problem
+from .fx_match import argument, op_name, shape, value
 from .moe_expert_gemms import ExpertGemmSite, ExpertMatmul, expert_gemm_site
 from .moe_interpreter import hidden_root, ids_root, prove
 from .moe_modulelist import find_module_list_experts
 from .moe_rules import DOWN, UP, NotProven, same, sym
-from .moe_subgraph import argument, collect_region, erase_dead, extract, op_name, shape, value
+from .moe_subgraph import collect_region, extract
 from .site import ParamRef, Site, param_refs
-
-SAMPLE_TOKENS = 16  # tokens in `sample_inputs` when the graph's token count is dynamic
 
 
 @dataclass
@@ -45,10 +42,9 @@ class MoEMatches:
 @dataclass
 class MoESite(Site):
     """One experts region. `params` = [w13, w2], or [w1 (gate), w3 (up), w2] when gate and up are
-    separate parameters (gather-einsum style); `prepare` returns [w13, w2] either way."""
+    separate parameters (gather-einsum style); the lowering prepares [w13, w2] either way."""
 
     kind = "moe"
-    weight_count = 2  # w13, w2
     hidden: fx.Node | None = None  # [T, H] tokens entering the experts
     topk_weights: fx.Node | None = None  # [T, k]
     topk_ids: fx.Node | None = None  # [T, k]
@@ -66,7 +62,7 @@ class MoESite(Site):
     original: fx.GraphModule | None = field(default=None, repr=False)  # the region, standalone
     bias_refs: list[weakref.ref | None] = field(default_factory=list, repr=False)  # b13/b2 Parameters, for verify
 
-    def _biases(self, device) -> list[torch.Tensor | None]:
+    def biases(self, device) -> list[torch.Tensor | None]:
         """The example biases (weakly held: the graph reads the live ones from its placeholders)."""
         return [None if ref is None else ref().to(device) for ref in self.bias_refs]
 
@@ -74,72 +70,9 @@ class MoESite(Site):
     def output_node(self) -> fx.Node:
         return self.output
 
-    def signature(self) -> tuple:
-        return (self.gate_up_layout, len(self.params))
-
     @property
     def input_nodes(self) -> list[fx.Node]:
         return [self.hidden, self.topk_weights, self.topk_ids]
-
-    def prepare(self, weights, spec, backend):
-        names = " + ".join(ref.name for ref in self.params[:-1])
-        w13 = weights[0] if len(weights) == 2 else concat_rows(weights[:2], names)  # [E, 2I, H] gate rows first
-        return list(ops.prepare_moe_weights(backend, w13, weights[-1], self.gate_up_layout))  # w2 [E, H, I]
-
-    def _op_args(self, hidden, topk_weights, topk_ids, weights, b13, b2, spec, backend):
-        (w13, w13_scale, w13_scale2, w13_input_scale), (w2, w2_scale, w2_scale2, w2_input_scale) = weights
-        static = () if w13_input_scale is None else (w13_input_scale, w2_input_scale)  # static activation keys
-        return (
-            hidden, topk_weights, topk_ids,
-            w13, w13_scale, w13_scale2, w2, w2_scale, w2_scale2, b13, b2, None,
-            ops.key_arg(spec.weight), ops.key_arg(spec.activation), backend,
-            self.activation, self.gate_up_layout, self.apply_router_weight_on_input,
-            self.problem.n, self.alpha, self.limit, *static,
-        )  # fmt: skip
-
-    def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
-        target = ops.moe_call(backend, device_type, differentiable)
-        args = self._op_args(self.hidden, self.topk_weights, self.topk_ids, weights, self.b13, self.b2, spec, backend)
-        out_value, hidden_value = value(self.output), value(self.hidden)
-        with graph.inserting_before(self.output):
-            new = result = graph.call_function(target, args)
-            if out_value.dtype != hidden_value.dtype:  # the op returns hidden's dtype
-                result = graph.call_method("to", (new, out_value.dtype))
-        new.meta.update(self.output.meta)
-        new.meta["val"] = new.meta["example_value"] = out_value.to(hidden_value.dtype)
-        if result is not new:
-            result.meta.update(self.output.meta)
-            result.meta["val"] = out_value
-        self.output.replace_all_uses_with(result)
-        erase_dead(graph, self.region)
-        return result
-
-    def sample_inputs(self, like, device, dtype):
-        tokens, hidden_size = self.tokens or SAMPLE_TOKENS, self.problem.k
-        generator = torch.Generator().manual_seed(0)
-        hidden = torch.randn(tokens, hidden_size, generator=generator)
-        if like is not None and like.is_floating_point() and like.numel() > 1:
-            hidden = hidden * like.float().std() + like.float().mean()
-        ids = torch.rand(tokens, self.problem.experts, generator=generator).argsort(dim=-1)[:, : self.problem.topk]
-        weights = torch.rand(tokens, self.problem.topk, generator=generator).softmax(dim=-1)
-        hidden_dtype = value(self.hidden).dtype if self.hidden is not None else dtype  # the region's own dtypes
-        return [
-            hidden.to(device, hidden_dtype),
-            weights.to(device, value(self.topk_weights).dtype),
-            ids.to(device, value(self.topk_ids).dtype),
-        ]
-
-    def run_original(self, inputs, values):
-        biases = [b for b in self._biases(inputs[0].device) if b is not None]
-        with torch.no_grad():
-            return self.original(*inputs, *values, *biases)
-
-    def run_quantized(self, inputs, weights, spec, backend, device_type):
-        target = ops.moe_call(backend, device_type)
-        b13, b2 = self._biases(inputs[0].device)
-        tensors = [ops.op_tensors(w, spec, self.fqn) for w in weights]
-        out = target(*self._op_args(*inputs, tensors, b13, b2, spec, backend))
-        return out.to(value(self.output).dtype)
 
 
 def find_moe_sites(graph: fx.Graph, example_inputs) -> MoEMatches:

@@ -30,7 +30,7 @@ import torch.fx as fx
 
 from ..moe_problem import ACTIVATIONS, GATE_UP_LAYOUTS, gated_activation
 from ..passes.fx_utils import mutated
-from .moe_subgraph import argument, op_name, shape, value
+from .fx_match import argument, op_name, shape, value
 
 Term = tuple  # (op, *operands); an operand is a Term, a float constant, None or a string
 ALIASES = {"div": "truediv", "true_divide": "truediv", "multiply": "mul", "subtract": "sub", "clip": "clamp"}

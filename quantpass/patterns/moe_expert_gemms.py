@@ -5,25 +5,20 @@ form it does not follow), its 3-D expert weights are still quantized: each one i
 with the moe spec's weight key and `quantpass::dequantize_weight` rebuilds the dense weight on
 every call, so the graph's own `_grouped_mm` / `bmm` / `einsum` and everything between them
 (routing, activation, combine) run unchanged. Activation quantization cannot apply to a GEMM that
-is not ours: the site applies the spec weight-only, and its plan row says so and why.
+is not ours: the site applies the spec weight-only, and its plan row says so and why (the lowering:
+`passes/lower_expert_gemms.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
 
-from ..kernels import ops
-from ..kernels.oracle import Problem, Selection
 from ..passes.fx_utils import mutated
-from ..quant_registry.spec import QuantSpec
-from .moe_subgraph import op_name, value
+from ..problem import Problem
+from .fx_match import op_name, value
 from .site import ParamRef, Site
-
-BACKEND = "reference"  # the dequantize op is the reference's `dequantize`; the GEMM is the graph's
-SAMPLE_TOKENS = 16  # rows of each weight's sample input in `verify`
 
 
 @dataclass(frozen=True)
@@ -46,80 +41,16 @@ class ExpertGemmSite(Site):
     last: fx.Node | None = None  # the last node that reads these weights (an expert matmul)
 
     @property
-    def weight_count(self) -> int:
-        return len(self.params)
-
-    @property
     def output_node(self) -> fx.Node:
         """The last reader of the weights: verify's graph run builds the site (and may release the
-        original weights) when it gets there. `rewrite` leaves it in place."""
+        original weights) when it gets there. The rewrite leaves it in place."""
         return self.last
 
     @property
     def input_nodes(self) -> list[fx.Node]:
         """None: an expert matmul's real rows can't be checked without their routing, so verify
-        runs every expert on sample rows (`sample_inputs`)."""
+        runs every expert on sample rows."""
         return []
-
-    def choose_backend(self, spec, capability, named):
-        applied = QuantSpec(spec.weight, activation=None)
-        ignored = f"; backend {named!r} runs fused experts only" if named not in (None, "auto", BACKEND) else ""
-        reason = (
-            f"experts quantized one by one ({spec.weight} weights, dequantized per call, activations unquantized; "
-            f"the graph's own {'/'.join(self.forms)} runs on them{ignored}): not a provable fused MoE: {self.why}"
-        )
-        return applied, Selection(BACKEND, reason)
-
-    def prepare(self, weights, spec, backend):
-        return weights  # formats.py's layout: what `dequantize_weight` reads
-
-    def _dense(self, ref: ParamRef, tensors, spec) -> tuple:
-        """`dequantize_weight`'s arguments for one weight: back to its stored layout and dtype."""
-        stored = value(ref.node)
-        rows, cols = (int(d) for d in ref.matrix(stored).shape[-2:])
-        data, scale, scale2 = tensors[:3]  # (the rewrite's 4th slot, a static input scale, is never set here)
-        return (data, scale, scale2, ops.key_arg(spec.weight), rows, cols, stored.dtype, ref.transposed)
-
-    def rewrite(self, graph, weights, spec, backend, device_type, differentiable=False):
-        """Every read of each weight placeholder reads the dequantized weight instead. No backward is
-        needed for `differentiable`: gradients reach the inputs through the graph's own matmuls."""
-        order = {node: i for i, node in enumerate(graph.nodes)}
-        for ref, tensors in zip(self.params, weights):
-            users = list(ref.node.users)
-            with graph.inserting_before(min(users, key=order.get)):
-                dense = graph.call_function(
-                    torch.ops.quantpass.dequantize_weight.default, self._dense(ref, tensors, spec)
-                )
-            stored = value(ref.node)
-            dense.meta["val"] = dense.meta["example_value"] = torch.empty_like(stored, requires_grad=False)
-            for user in users:
-                user.replace_input_with(ref.node, dense)
-        return self.last
-
-    def sample_inputs(self, like, device, dtype):
-        """N(0, 1) rows for each weight. `like` is not used: the SQNR of a product linear in its
-        input does not depend on the input's scale, and a graph input is no activation statistic."""
-        generator = torch.Generator().manual_seed(0)
-        shapes = [(SAMPLE_TOKENS, ref.matrix(value(ref.node)).shape[-1]) for ref in self.params]
-        return [
-            torch.randn(*s, generator=generator).to(device, value(r.node).dtype) for s, r in zip(shapes, self.params)
-        ]
-
-    def run_original(self, inputs, values):
-        """Each sample row through every expert of every weight: [sum of T * E * N] fp32."""
-        return _all_experts(inputs, [ref.matrix(v) for ref, v in zip(self.params, values)])
-
-    def run_quantized(self, inputs, weights, spec, backend, device_type):
-        dense = [
-            torch.ops.quantpass.dequantize_weight(*self._dense(ref, qt.tensors(), spec))
-            for ref, qt in zip(self.params, weights)
-        ]
-        return _all_experts(inputs, [ref.matrix(d) for ref, d in zip(self.params, dense)])
-
-
-def _all_experts(inputs: list[torch.Tensor], matrices: list[torch.Tensor]) -> torch.Tensor:
-    outs = [torch.einsum("tk,enk->ten", x.float(), w.float()).flatten() for x, w in zip(inputs, matrices)]
-    return torch.cat(outs)
 
 
 def expert_gemm_site(

@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from .fx_match import is_cast, op_name, shape, value
 from .moe_activation import GatedActivation
 from .moe_rules import DOWN, LAZY_RULES, RULES, UP, NotProven, Projection, Tag, same
-from .moe_subgraph import is_cast, op_name, shape, value
 
 
 @dataclass

@@ -14,7 +14,7 @@ import re
 
 import torch.fx as fx
 
-from .moe_subgraph import LINEAR_TARGETS, ROUTER_HOPS, is_cast, op_name, shape
+from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, is_cast, op_name, shape
 
 INDEXED = re.compile(r"^(?P<experts>.+)\.(?P<index>\d+)\.(?P<rest>[^\d].*)$")  # greedy: the last index
 INPUT_HOPS = 4  # hidden[None, top_x].reshape(-1, H): a couple of row gathers and views

@@ -20,8 +20,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from .fx_match import argument, is_cast, op_name, shape, value
 from .moe_activation import NotAnActivation, identify_activation
-from .moe_subgraph import argument, is_cast, op_name, shape, value
 
 if TYPE_CHECKING:
     from .moe_interpreter import Interpreter

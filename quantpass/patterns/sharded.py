@@ -23,7 +23,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..distributed import is_dtensor
-from .moe_subgraph import LINEAR_TARGETS, op_name, value
+from .fx_match import LINEAR_TARGETS, op_name, value
 
 # Ops whose result may share storage with their first operand (casts to the same dtype included).
 MAY_ALIAS = {"to", "type", "float", "view", "view_as", "reshape", "contiguous", "flatten", "unsqueeze", "squeeze",

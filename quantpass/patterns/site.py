@@ -1,11 +1,10 @@
-"""What the pattern matchers hand to the rewrite pass: sites, each owning its weights and rewrite.
+"""What the pattern matchers find: sites (their nodes, parameters and sizes), and parameter names.
 
-A `Site` is one layer found in a Dynamo graph (a linear, or the experts of an MoE layer). The pass
-is generic over sites: it resolves the config by `fqn`, asks the oracle with `kind`/`problem`,
-calls `rewrite` with one placeholder per quantized tensor, quantizes each parameter in `params` and
-lets `prepare` lay them out for the backend (through the weight cache, never baked into the graph),
-and `verify` compares the site's original output with `run_quantized` on the activations that reach
-it (`input_nodes`), or `run_original` on `sample_inputs` where those can't be had.
+A `Site` is one layer found in a Dynamo graph (a linear, or the experts of an MoE layer): what was
+matched, nothing about what is done with it. Its subclasses add the facts of their kind (the nodes
+the computation reads and writes, the gated activation of an MoE...). How a site of each kind is
+quantized, rewritten into quantpass ops and verified lives in `passes/` (`passes/lower.py` maps a
+site's class to its `SiteLowering`): detection imports neither kernels nor the oracle.
 """
 
 from __future__ import annotations
@@ -18,9 +17,7 @@ import torch
 import torch.fx as fx
 
 from ..distributed import is_dtensor, local_tensor
-from ..kernels.oracle import Capability, Problem, Selection, select
-from ..quant_registry.qtensor import QTensor
-from ..quant_registry.spec import QuantSpec
+from ..problem import Problem
 
 
 @dataclass
@@ -46,17 +43,32 @@ class ParamRef:
 
 @dataclass
 class Site:
+    """One matched layer: `kind` ("linear" | "moe"), its FQN, the parameters it quantizes, its sizes.
+
+    `config_kind` is the config kind whose spec applies (the `kind` itself unless a matcher says
+    otherwise: an unproven MoE's per-expert linears take the "moe" spec); `default_ignore` says why
+    the defaults leave the site alone (an output head, a tied embedding, an MoE router)."""
+
     kind: ClassVar[str]
-    weight_count: ClassVar[int] = 1  # QTensors the rewritten op takes
     fqn: str
     params: list[ParamRef]
     problem: Problem
     skip_reason: str | None = None  # found, but left alone: why (shown in the plan)
     notes: list[str] = field(default_factory=list)  # extra plan notes (e.g. "bias fused")
+    config_kind: str = ""  # "" = `kind`
+    default_ignore: str | None = None
+
+    def __post_init__(self) -> None:
+        self.config_kind = self.config_kind or self.kind
 
     @property
     def output_node(self) -> fx.Node:
-        """The node whose value `rewrite` replaces (its users then read the quantized op)."""
+        """The node whose value the site's rewrite replaces (its users then read the quantized op)."""
+        raise NotImplementedError
+
+    @property
+    def input_nodes(self) -> list[fx.Node]:
+        """The activations the site's computation reads (verify feeds the rewritten op their real values)."""
         raise NotImplementedError
 
     def remap(self, replaced: dict[fx.Node, fx.Node]) -> None:
@@ -66,51 +78,6 @@ class Site:
         for name, value in vars(self).items():
             if isinstance(value, fx.Node) and value in replaced:
                 setattr(self, name, replaced[value])
-
-    def signature(self) -> tuple:
-        """Anything besides (spec, backend, transposes) that changes `quantize`'s result."""
-        return ()
-
-    def choose_backend(self, spec: QuantSpec, capability: Capability, named: str) -> tuple[QuantSpec, Selection]:
-        """(the spec this site applies, the backend that runs it): the oracle's pick for `kind` unless a
-        site runs its math some other way (the graph's own GEMMs on dequantized weights: weight-only)."""
-        return spec, select(self.kind, spec.weight, spec.activation, capability, self.problem, named)
-
-    def prepare(self, weights: list[QTensor], spec: QuantSpec, backend: str) -> list[QTensor]:
-        """Each parameter quantized with `spec.weight` (`[..., N, K]`, formats.py's layout) -> the
-        `weight_count` QTensors the rewritten op takes, in `backend`'s layout (cached by the caller)."""
-        raise NotImplementedError
-
-    @property
-    def input_nodes(self) -> list[fx.Node]:
-        """The activations the rewritten op reads (verify feeds it their real values)."""
-        raise NotImplementedError
-
-    def rewrite(
-        self,
-        graph: fx.Graph,
-        weights: list[list[fx.Node | None]],
-        spec: QuantSpec,
-        backend: str,
-        device_type: str,
-        differentiable: bool = False,
-    ) -> fx.Node:
-        """Replace this site's computation; `weights[i]` = [data, scale, scale2] nodes of the i-th
-        QTensor `prepare` returns. `differentiable`: grad mode is on (use ops with a backward).
-        Returns the node that now stands for `output_node`."""
-        raise NotImplementedError
-
-    def sample_inputs(self, like: torch.Tensor | None, device, dtype) -> list[torch.Tensor]:
-        """Inputs for `verify` (activations only; parameters come from `run_*`'s `values`)."""
-        raise NotImplementedError
-
-    def run_original(self, inputs: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        raise NotImplementedError
-
-    def run_quantized(
-        self, inputs: list[torch.Tensor], weights: list[QTensor], spec: QuantSpec, backend: str, device_type: str
-    ) -> torch.Tensor:
-        raise NotImplementedError
 
 
 _CONTAINERS = ("_modules", "_parameters", "_buffers")

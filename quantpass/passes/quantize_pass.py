@@ -1,4 +1,4 @@
-"""The pass manager: run quantize (+ verify) and give the passes' identity for caches."""
+"""`QuantizePass`: the pass object the backend holds (quantize + verify), and its identity for caches."""
 
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 `F.multi_head_attention_forward` (what Dynamo keeps of `nn.MultiheadAttention`),
 `torch._transformer_encoder_layer_fwd` (`nn.TransformerEncoderLayer`'s eval fast path) and
 `torch._native_multi_head_attention` run their projections inside one call, out of reach of a
-linear site. `attention.py` replaces such a call by one of the functions here, which compute the
-same thing in eval mode (no dropout) with every projection a *slot*:
+linear site. `lower_attention.py` replaces such a call (found by `patterns/attention.py`) by one of
+the functions here, which compute the same thing in eval mode (no dropout) with every projection a *slot*:
 
 - `("dense", weight, bias)`: `F.linear`, as PyTorch does it;
 - `("quantized", backend, device_type, differentiable, op_args)`: the quantized linear op a linear

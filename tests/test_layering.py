@@ -1,0 +1,121 @@
+"""Detection does not depend on kernels or on the lowering.
+
+No module of `quantpass/patterns` imports `quantpass.kernels`, or a `quantpass.passes` module other
+than the generic FX helpers; and nothing it imports, transitively, reaches a kernel module (only the
+table of backend names, which the config validates against and which imports no kernel).
+
+Read statically: every `import` statement a module runs (top level or inside a function, where the
+lazy imports sit; not `if TYPE_CHECKING:` blocks) resolved to the quantpass module it names, then
+followed. A package's `__init__` is not followed (`quantpass/__init__.py` imports the backend).
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+import quantpass
+
+PACKAGE = Path(quantpass.__file__).resolve().parent
+DETECTION = "quantpass.patterns"
+FORBIDDEN = ("quantpass.kernels", "quantpass.passes")
+ALLOWED = {"quantpass.passes.fx_utils"}  # graph helpers with no quantpass import (checked below)
+NAME_TABLES = {"quantpass.kernels.registry"}  # reached through the config (quant_registry/spec.py)
+
+
+def _path(module: str) -> Path | None:
+    parts = module.split(".")[1:]
+    for candidate in (PACKAGE.joinpath(*parts).with_suffix(".py"), PACKAGE.joinpath(*parts, "__init__.py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _modules() -> list[str]:
+    names = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        names.append(".".join(("quantpass", *(parts[:-1] if parts[-1] == "__init__" else parts))))
+    return names
+
+
+def imports(module: str) -> set[str]:
+    """The quantpass modules `module`'s import statements name (`from . import x` names `.x` when x is a module)."""
+    path = _path(module)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    found = set()
+    for node in _run_time_nodes(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+            target = ".".join([*base, *([node.module] if node.module else [])])
+            found.add(target)
+            found |= {f"{target}.{alias.name}" for alias in node.names if _path(f"{target}.{alias.name}")}
+    return {name for name in found if name.startswith("quantpass.") and _path(name) is not None}
+
+
+def _run_time_nodes(tree: ast.AST):
+    """Every node of `tree` but the bodies of `if TYPE_CHECKING:` (never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
+def reached(start: str) -> dict[str, list[str]]:
+    """Every quantpass module `start` imports, transitively -> the chain of imports that gets there."""
+    chains, todo = {start: [start]}, [start]
+    while todo:
+        module = todo.pop()
+        if _path(module).name == "__init__.py" and module != start:
+            continue  # importing a.b.c runs a/b/__init__.py too, but quantpass's own runs everything
+        for name in sorted(imports(module)):
+            if name not in chains:
+                chains[name] = [*chains[module], name]
+                todo.append(name)
+    return chains
+
+
+def _forbidden(name: str) -> bool:
+    return name not in ALLOWED and any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
+
+
+DETECTION_MODULES = [m for m in _modules() if m == DETECTION or m.startswith(DETECTION + ".")]
+
+
+def test_detection_modules_are_found():
+    assert {"quantpass.patterns.linear", "quantpass.patterns.moe", "quantpass.patterns.site"} <= set(DETECTION_MODULES)
+
+
+@pytest.mark.parametrize("module", DETECTION_MODULES)
+def test_detection_imports_no_kernels_and_no_lowering(module):
+    direct = {name for name in imports(module) if _forbidden(name)}
+    assert not direct, f"{module} imports {sorted(direct)}: detection must not depend on kernels or the lowering"
+    chains = reached(module)
+    kernels = {
+        n: " -> ".join(c) for n, c in chains.items() if n.startswith("quantpass.kernels.") and n not in NAME_TABLES
+    }
+    assert not kernels, f"{module} reaches kernel modules: " + "; ".join(kernels.values())
+
+
+def test_allowed_helpers_import_no_quantpass_module():
+    for module in ALLOWED:
+        assert imports(module) == set(), f"{module} must stay a leaf to be allowed from patterns/"
+
+
+def test_the_scan_sees_imports_of_each_spelling():
+    """The check can fail: the lowering does import kernels, relatively, lazily and through `from . import`."""
+    assert "quantpass.kernels.ops" in imports("quantpass.passes.lower_linear")
+    assert "quantpass.passes.attention_math" in imports("quantpass.passes.lower_attention")  # from . import x
+    assert "quantpass.patterns.attention" in imports("quantpass.patterns.linear")  # inside a function
+    chain = reached("quantpass.passes.lower")["quantpass.kernels.oracle"]
+    assert chain[0] == "quantpass.passes.lower" and chain[-1] == "quantpass.kernels.oracle"
+    assert "quantpass.kernels.registry" in reached("quantpass.patterns.moe")  # through the config: NAME_TABLES
+    assert "quantpass.kernels.oracle" not in imports("quantpass.kernels.registry")  # under TYPE_CHECKING only
