@@ -49,15 +49,18 @@ class NotAnActivation(ValueError):
 
 
 @dataclass(frozen=True)
-class GatedActivation:
-    activation: str  # reference.ACTIVATIONS
+class MatchedActivation:
+    """A gated activation found in a graph: `moe_problem.GatedActivation`'s fields (what the fused op
+    is given) and, for separate gate and up projections, which input is the gate."""
+
+    activation: str  # moe_problem.ACTIVATIONS
     gate_up_layout: str  # "concat" | "interleaved"
     alpha: float = 0.0  # swigluoai only
     limit: float = 0.0
     gate_input: int = 0  # with separate gate and up projections: which input is the gate
 
 
-def identify_activation(nodes: list[fx.Node], inputs: list[fx.Node], output: fx.Node) -> GatedActivation:
+def identify_activation(nodes: list[fx.Node], inputs: list[fx.Node], output: fx.Node) -> MatchedActivation:
     """Which gated activation `nodes` (in graph order) compute from the up projection(s) `inputs`.
 
     One input `[.., 2I]` (fused gate/up) or two `[.., I]` (separate gate and up projections).
@@ -95,14 +98,14 @@ def _candidates(nodes, layouts):
     for layout in layouts:
         for activation in ACTIVATIONS:
             if activation != "swigluoai":
-                yield GatedActivation(activation, layout)
+                yield MatchedActivation(activation, layout)
         for alpha in sorted(alphas):
             for limit in sorted(limits):
-                yield GatedActivation("swigluoai", layout, alpha, limit)
+                yield MatchedActivation("swigluoai", layout, alpha, limit)
 
 
 @functools.cache
-def _traced(candidate: GatedActivation, order: tuple[int, ...]) -> Term:
+def _traced(candidate: MatchedActivation, order: tuple[int, ...]) -> Term:
     """The reference's `gated_activation` for `candidate`, traced and normalized. With two inputs the
     gate is input `order[0]`: traced as `gated_activation(cat([gate, up]))`, halves of a `cat` fold."""
     activation, layout, alpha, limit = candidate.activation, candidate.gate_up_layout, candidate.alpha, candidate.limit

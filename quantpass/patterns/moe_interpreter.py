@@ -23,7 +23,7 @@ import torch
 import torch.fx as fx
 
 from .fx_match import is_cast, op_name, shape, value
-from .moe_activation import GatedActivation
+from .moe_activation import MatchedActivation
 from .moe_rules import DOWN, LAZY_RULES, RULES, UP, NotProven, Projection, Tag, same
 
 
@@ -37,7 +37,7 @@ class Experts:
     down: Projection
     biases: dict[int, fx.Node]  # UP -> b13 [E, 2I], DOWN -> b2 [E, H] parameter placeholders
     router_on_input: bool
-    activation: GatedActivation
+    activation: MatchedActivation
     tags: dict[fx.Node, Tag]
     middle: set[fx.Node]  # the gated activation's nodes
 
@@ -57,7 +57,7 @@ class Interpreter:
         self.projections: list[Projection] = []
         self.biases: dict[int, fx.Node] = {}
         self.middle: set[fx.Node] = set()
-        self.activation: GatedActivation | None = None
+        self.activation: MatchedActivation | None = None
         self.router_candidates: list[fx.Node] = []  # mul operands that may be the router weights
         self.refusals: list[tuple[int, str]] = []  # (stage reached, why a node was refused)
 
