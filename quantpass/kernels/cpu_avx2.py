@@ -121,6 +121,12 @@ def library():
     return _library()[0] if available()[0] else None
 
 
+def entry_point():
+    """`qp_linear` itself (ctypes, arguments as `run` passes them), or None where `available()` says no."""
+    lib = library()
+    return None if lib is None else lib.qp_linear
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     if not envs.cpu_kernel_enabled():
