@@ -28,7 +28,8 @@ N_VALUES = (1, 2, 3, 5, 9, 17, 67)  # every tile width (8, 4, 2 rows) with tails
 
 
 # (weight bits, INT4 tile set): INT8 has one set of tiles; each INT4 set runs where the CPU has it
-PATHS = [pytest.param(4, tiles, id=f"int4-{tiles}") for tiles in cpu_avx2.INT4_TILES] + [pytest.param(8, None, id="int8")]
+PATHS = [pytest.param(4, tiles, id=f"int4-{tiles}") for tiles in cpu_avx2.INT4_TILES]
+PATHS.append(pytest.param(8, None, id="int8"))
 
 
 @contextlib.contextmanager
