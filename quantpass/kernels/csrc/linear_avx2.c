@@ -21,7 +21,8 @@
  *          AND and a shift unpack 64 codes, two _mm256_maddubs_epi16 (unsigned codes x signed q) give
  *          int16 pair sums, added in int16 over the group (4 * 2 * 15 * 127 < 2^15); per group one
  *          _mm256_madd_epi16 to int32, one subtraction of 8 * sum(q) (precomputed), one conversion and one
- *          FMA by the weight's scale times d.
+ *          FMA by the weight's scale times d. Where the CPU has AVX-512 VNNI (`qp_int4_vnni`), one
+ *          _mm512_dpbusd_epi32 per 64 codes forms the same integer sums (tile_int4_int8_vnni).
  *   INT16  INT8 x int16 activations: each block of 128 activations becomes int16 (d = max|x| / 32767: 15 bits, more
  *          than bf16's 8), so the products are exact integer ones: 16 weights sign-extend to int16 in one
  *          instruction and meet 16 activations in one _mm256_madd_epi16 (an int32 lane gathers at most
@@ -253,16 +254,21 @@ INLINE VNNI void tile_int4_int8_vnni(const uint8_t *acts, qlayout l, const uint8
       ahi[m] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 32))),
                                   _mm256_loadu_si256((const __m256i *)(q + 96)), 1);
     }
+    __m512i corr[4];
+    __m512 dx[4];
+    for (int m = 0; m < MB; m++) {
+      const uint8_t *a = acts + m * l.stride;
+      dx[m] = _mm512_set1_ps(((const float *)(a + l.blocks * l.block_bytes))[g]);
+      corr[m] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(a + l.blocks * (l.block_bytes + 4)) + g));
+    }
     for (int r = 0; r < R; r++) {
       const __m512i v = _mm512_loadu_si512((const void *)(w + r * row_bytes + g * 64));
       prefetch(w + (r + R) * row_bytes + g * 64); /* the next tile's row */
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const __m512 scale = _mm512_set1_ps(s[r * l.blocks + g]); /* a broadcast operand of the FMA */
       for (int m = 0; m < MB; m++) {
-        const uint8_t *a = acts + m * l.stride;
-        const float dx = ((const float *)(a + l.blocks * l.block_bytes))[g];
-        const __m256i corr = _mm256_loadu_si256((const __m256i *)(a + l.blocks * (l.block_bytes + 4)) + g);
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_zextsi256_si512(corr), lo, alo[m]), hi, ahi[m]);
-        acc[m][r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(s[r * l.blocks + g] * dx), acc[m][r]);
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr[m], lo, alo[m]), hi, ahi[m]);
+        acc[m][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dx[m]), scale, acc[m][r]);
       }
     }
   }
