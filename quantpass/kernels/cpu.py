@@ -304,7 +304,7 @@ def _graph_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key
                     out_features, xtype, mode, torch.get_num_threads(),
                 )  # fmt: skip
                 if status:
-                    raise MemoryError(f"quantpass's CPU kernel could not allocate its scratch (status {status})")
+                    raise cpu_avx2.scratch_error(status)
                 return out
     return ops.run_linear(linear, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features)
 

@@ -5,8 +5,9 @@ They read quantpass's own quantized layout (no prepared copy), take x, bias and 
 fp16, and multiply in one of three ways (`mode`): "exact" (fp32 activations), "int8" for INT4 weights
 (llama.cpp-style: each 128 activations quantized once per call to int8, integer multiply-adds) and
 "int16" for INT8 weights (activations to int16: exact integer products). The cpu backend chooses per
-format (`cpu.ACTIVATION_MODES`, measured). Speed and accuracy: bench/README.md, "CPU decode at the
-bandwidth limit".
+format (`cpu.ACTIVATION_MODES`, measured). Where the CPU has AVX-512 VNNI, INT4's "int8" mode runs on
+512-bit tiles instead of the AVX2 ones (`int4_tiles`, measured faster). Speed and accuracy:
+bench/README.md, "CPU decode at the bandwidth limit".
 
 The C source needs no Python or torch headers: the system C compiler builds it in about a second
 into a cache folder, ctypes loads it (and releases the GIL while it runs), and its OpenMP threads
@@ -44,8 +45,8 @@ FORMAT_MODES = {4: ("exact", "int8"), 8: ("exact", "int16")}  # by weight bits
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's F32, BF16, F16
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC")
 OPENMP = "-fopenmp"
-# INT4 x int8 tiles (csrc's qp_int4_vnni 0, 1): AVX-512 VNNI wherever the CPU has it, measured faster on
-# Ice Lake at every M (bench/README.md, "CPU decode at the bandwidth limit"); AVX2 elsewhere.
+# INT4 x int8 tiles (csrc's qp_int4_vnni 0, 1): AVX-512 VNNI wherever the CPU has it (measured faster on
+# Ice Lake at M = 1, 2, 4: bench/README.md, "CPU decode at the bandwidth limit"), AVX2 elsewhere.
 INT4_TILES = ("avx2", "avx512-vnni")
 CAPABILITIES = ("AVX2", "AVX512")  # torch's names for x86-64 CPUs with AVX2 + FMA
 P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -115,8 +116,12 @@ def run(lib, x, data, scale, bias, out, bits: int, mode: int, threads: int) -> t
         out.data_ptr(), out.shape[-1], DTYPES[out.dtype], mode, threads,
     )  # fmt: skip
     if status:
-        raise MemoryError(f"quantpass's CPU kernel could not allocate its scratch (status {status})")
+        raise scratch_error(status)
     return out
+
+
+def scratch_error(status: int) -> MemoryError:
+    return MemoryError(f"quantpass's CPU kernel could not allocate its scratch (status {status})")
 
 
 def int4_tiles(name: str | None = None) -> str:
