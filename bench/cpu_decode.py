@@ -10,7 +10,8 @@ Method. Bandwidth: csrc/read_bandwidth.c reads 512 MiB with AVX2 as 1, 4, 8 or 1
 (the kernels read 4-8 weight rows at once); the best stream count's median is "the bandwidth"; torch.sum
 over the same bytes is shown too. Layers: 8 distinct 4096x4096 bf16 linears, used in rotation, so every
 call reads its weights from DRAM (8 x 8.4 MB of INT4 or 16.8 MB of INT8 > the 48 MB L3). Per layer: the
-raw kernel (`cpu_avx2.run` into a preallocated output), the graph op called eagerly, a compiled
+raw kernel (`cpu_avx2.run` into a preallocated output; INT4 also on its AVX2 tiles where the AVX-512 VNNI
+ones are in use), the graph op called eagerly, a compiled
 single-linear module (`torch.compile(layer, backend=qp.backend(...))`), one compiled module chaining
 all 8 (time / 8), and torchao's `Int8WeightOnlyConfig` / prototype `PrototypeInt4WeightOnlyConfig`
 (Int4OpaqueTensor, aten's `_weight_int4pack_mm_for_cpu`), eager and compiled. Every case runs once per
@@ -153,6 +154,14 @@ def layer_cases(name: str, threads: int) -> tuple[dict, int]:
     def raw(i, mode=mode):
         return cpu_avx2.run(lib, x, weights[i].data, weights[i].scale, None, out, bits, mode, threads)
 
+    def on_avx2_tiles():
+        tiles = cpu_avx2.int4_tiles()
+        cpu_avx2.int4_tiles("avx2")
+        try:
+            each(raw)()
+        finally:
+            cpu_avx2.int4_tiles(tiles)
+
     cases = {
         "raw kernel": each(raw),
         "raw kernel, fp32 activations": each(lambda i: raw(i, cpu_avx2.MODES["exact"])),
@@ -165,6 +174,8 @@ def layer_cases(name: str, threads: int) -> tuple[dict, int]:
         "torchao compiled layer": each(lambda i: ao_compiled[i](x)),
         "torchao compiled 8-layer chain": lambda: ao_chain(x),
     }
+    if bits == 4 and cpu_avx2.int4_tiles() != "avx2":  # side by side with the tiles used elsewhere
+        cases = {"raw kernel": cases.pop("raw kernel"), "raw kernel, AVX2 tiles": on_avx2_tiles, **cases}
     return cases, weights[0].nbytes
 
 
@@ -182,10 +193,22 @@ def llama(name: str):
     ours = torch.compile(model, backend=qp.backend(linear=fmt, backend="cpu"))
     theirs = torch.compile(torchao_quantized(model, name, skip="lm_head"))
     ids = torch.randint(0, 1024, (1, 1))
-    return {
+    cases = {
         "quantpass": lambda: ours(ids, use_cache=False).logits,
         "torchao": lambda: theirs(ids, use_cache=False).logits,
     }
+    tiles = cpu_avx2.int4_tiles()
+    if name == "int4" and tiles != "avx2":  # the same compiled model on the AVX2 tiles, side by side
+
+        def on_avx2_tiles():
+            cpu_avx2.int4_tiles("avx2")
+            try:
+                return ours(ids, use_cache=False).logits
+            finally:
+                cpu_avx2.int4_tiles(tiles)
+
+        cases["quantpass, AVX2 tiles"] = on_avx2_tiles
+    return cases
 
 
 # --- accuracy ---
@@ -322,8 +345,9 @@ def main() -> None:
                         med, lo, hi = stats(samples)
                         rows.append(dict(part="model", threads=threads, format=name, case=case, ms=med * 1e3,
                                          min_ms=lo * 1e3, max_ms=hi * 1e3))  # fmt: skip
-                    print(f"\nmodel {name}, {threads} thread(s): quantpass {ours * 1e3:.1f} ms, torchao {theirs * 1e3:.1f} ms "
-                          f"({theirs / ours:.2f}x)")  # fmt: skip
+                    print(f"\nmodel {name}, {threads} thread(s): " + ", ".join(
+                        f"{case} {statistics.median(ts) * 1e3:.1f} ms" for case, ts in times.items()
+                    ) + f" (torchao / quantpass {theirs / ours:.2f}x)")  # fmt: skip
                     if name == "int4":
                         targets.append((f"Llama 2048x4 1-token forward INT4, {threads} thread(s)", theirs / ours, 1.25))
         if "accuracy" in args.parts:

@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch.compiler import is_compiling
 
 from .distributed import like_param, local_tensor
 from .quant_registry.qtensor import QTensor
@@ -303,7 +304,10 @@ _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> r
 
 
 def _restore_before_eager_use(module, args):
-    if torch.compiler.is_compiling():
+    # `is_compiling` by its own name: Dynamo folds it to True here and traces no further. Reached as
+    # `torch.compiler.is_compiling`, every compiled module also got a guard that this module's `torch`
+    # is torch.nn's, evaluated in Python on each call (its only Python guard)
+    if is_compiling():
         return
     if _CHECKED.get(module) == WEIGHTS.release_epoch:  # nothing released since its last eager call
         return

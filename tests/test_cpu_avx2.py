@@ -1,8 +1,9 @@
 """quantpass's INT4 and INT8 CPU kernels (csrc/linear_avx2.c): every tile and tail path of every mode
-against a float64 emulation of the same arithmetic on odd shapes (outputs poisoned with NaN), the dtypes
-of x, bias and out, 1 vs 2 threads bit for bit, non-finite activations, the build cache, and each reason
-they can't run."""
+(INT4's integer mode on each of its tile sets, AVX2 and AVX-512 VNNI) against a float64 emulation of the
+same arithmetic on odd shapes (outputs poisoned with NaN), the dtypes of x, bias and out, 1 vs 2 threads
+bit for bit, non-finite activations, the build cache, and each reason they can't run."""
 
+import contextlib
 import os
 
 import pytest
@@ -24,6 +25,28 @@ QMAX = {"int8": 127.0, "int16": 32767.0}  # the integer modes' activation range,
 FLOOR_DB = 95
 M_VALUES = (1, 2, 3, 4, 5, 8, 9, 33)  # tiles of 1-4 activation rows and their repeats
 N_VALUES = (1, 2, 3, 5, 9, 17, 67)  # every tile width (8, 4, 2 rows) with tails
+
+
+# (weight bits, INT4 tile set): INT8 has one set of tiles; each INT4 set runs where the CPU has it
+PATHS = [pytest.param(4, tiles, id=f"int4-{tiles}") for tiles in cpu_avx2.INT4_TILES]
+PATHS.append(pytest.param(8, None, id="int8"))
+
+
+@contextlib.contextmanager
+def int4_tiles(name):
+    """The kernels on INT4 tile set `name` (None: leave them) for the block; skips where the CPU lacks it."""
+    if name is None:
+        yield
+        return
+    before = cpu_avx2.int4_tiles()
+    try:
+        cpu_avx2.int4_tiles(name)
+    except ValueError as error:
+        pytest.skip(str(error))
+    try:
+        yield
+    finally:
+        cpu_avx2.int4_tiles(before)
 
 
 def weight(n, k, bits, seed=0):
@@ -53,9 +76,14 @@ def expected(x, qt, bits, mode):
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits, tiles", PATHS)
 @pytest.mark.parametrize("k", [100, 300, 1000])
-def test_every_path_matches_its_arithmetic_on_odd_shapes(k, bits):
+def test_every_path_matches_its_arithmetic_on_odd_shapes(k, bits, tiles):
+    with int4_tiles(tiles):
+        _every_path_matches(k, bits)
+
+
+def _every_path_matches(k, bits):
     for n in N_VALUES:
         qt = weight(n, k, bits, seed=n)
         for m in M_VALUES:
@@ -96,12 +124,13 @@ def test_dtypes_of_x_bias_and_out(bits):
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
-def test_one_and_two_threads_agree_bit_for_bit(bits):
+@pytest.mark.parametrize("bits, tiles", PATHS)
+def test_one_and_two_threads_agree_bit_for_bit(bits, tiles):
     """200 x 4096 is enough work for two threads; each output is one thread's sum in a fixed order."""
     qt = weight(200, 4096, bits)
     threads = torch.get_num_threads()
-    try:
+    with int4_tiles(tiles), contextlib.ExitStack() as stack:
+        stack.callback(torch.set_num_threads, threads)
         for m in (1, 3, 9):
             x = torch.randn(m, 4096).bfloat16()
             for mode in cpu_avx2.FORMAT_MODES[bits]:
@@ -109,19 +138,37 @@ def test_one_and_two_threads_agree_bit_for_bit(bits):
                 one = cpu_avx2.linear(x, qt.data, qt.scale, mode=mode)
                 torch.set_num_threads(2)
                 assert torch.equal(one, cpu_avx2.linear(x, qt.data, qt.scale, mode=mode)), (m, mode)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @needs_kernel
-@pytest.mark.parametrize("bits", [4, 8])
-def test_non_finite_activations_give_non_finite_rows(bits):
+@pytest.mark.parametrize("bits, tiles", PATHS)
+def test_non_finite_activations_give_non_finite_rows(bits, tiles):
     qt, x = weight(17, 300, bits), torch.randn(3, 300)
     x[0, 5], x[1, 200] = float("nan"), float("inf")
+    with int4_tiles(tiles):
+        _non_finite_rows(qt, x, bits)
+
+
+def _non_finite_rows(qt, x, bits):
     for mode in cpu_avx2.FORMAT_MODES[bits]:
         got = cpu_avx2.linear(x, qt.data, qt.scale, mode=mode)
         assert got[0].isnan().all() and not got[1].isfinite().any(), mode
         assert sqnr(expected(x[2:], qt, bits, mode), got[2:]) >= FLOOR_DB, mode
+
+
+@needs_kernel
+def test_int4_tile_sets_agree_and_bad_names_are_named():
+    """Both tile sets form the same exact integer sums per group; only their fp32 sums (8 vs 16 lanes)
+    may round differently."""
+    qt, x = weight(67, 1000, 4), torch.randn(5, 1000)
+    with pytest.raises(ValueError, match=r"invalid INT4 tiles 'avx512'; valid: avx2, avx512-vnni"):
+        cpu_avx2.int4_tiles("avx512")
+    outs = []
+    for tiles in cpu_avx2.INT4_TILES:
+        with int4_tiles(tiles):
+            assert cpu_avx2.int4_tiles() == tiles
+            outs.append(cpu_avx2.linear(x, qt.data, qt.scale, mode="int8"))
+    assert sqnr(outs[0].double(), outs[1]) >= 120  # measured 131 dB: fp32 rounding only
 
 
 @needs_kernel

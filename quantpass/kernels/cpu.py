@@ -279,24 +279,37 @@ graph_moe_op = registry.no_graph_op  # MoE goes through the generic quantpass::f
 
 def _graph_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):
     """Our kernel straight from the graph where it applies (weight-only, our layout, M in range, dtypes
-    the kernel reads); anything else through `linear`, as `quantpass::linear` would."""
+    the kernel reads); anything else through `linear`, as `quantpass::linear` would. At decode this
+    body runs once per linear per token, right after the previous kernel streamed megabytes of weights
+    through the caches: every tensor method it calls is a cache miss, so it calls as few as it can
+    (each check once, the C entry point straight, not through `cpu_avx2.run`)."""
     fast = _FAST.get(weight_key)
-    lib = cpu_avx2.library()
-    if (
-        fast is not None
-        and not activation_key
-        and lib is not None
-        and w_scale.dim() == 2
-        and x.dtype in cpu_avx2.DTYPES
-        and (bias is None or (bias.dtype in cpu_avx2.DTYPES and bias.is_contiguous()))
-        and w_data.is_contiguous()
-        and w_scale.is_contiguous()
-    ):
-        bits, mode, most = fast
-        rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] <= most and rows.stride(-1) == 1:
-            out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
-            return cpu_avx2.run(lib, rows, w_data, w_scale, bias, out, bits, mode, torch.get_num_threads())
+    entry = cpu_avx2.entry_point()
+    if fast is not None and entry is not None and not activation_key:
+        xtype, btype = cpu_avx2.DTYPES.get(x.dtype), 0 if bias is None else cpu_avx2.DTYPES.get(bias.dtype)
+        if (
+            xtype is not None
+            and btype is not None
+            and w_scale.dim() == 2
+            and w_data.is_contiguous()
+            and w_scale.is_contiguous()
+            and (bias is None or bias.is_contiguous())
+        ):
+            bits, mode, most = fast
+            shape = x.shape
+            rows = x if len(shape) == 2 else x.reshape(-1, shape[-1])
+            m, k = rows.shape
+            if m <= most and rows.stride(1) == 1:
+                out = torch.empty((*shape[:-1], out_features), dtype=x.dtype)
+                kp = w_data.shape[1] * 2 if bits == 4 else w_data.shape[1]
+                status = entry(
+                    rows.data_ptr(), rows.stride(0), xtype, m, k, w_data.data_ptr(), w_scale.data_ptr(),
+                    out_features, kp, bits, None if bias is None else bias.data_ptr(), btype, out.data_ptr(),
+                    out_features, xtype, mode, torch.get_num_threads(),
+                )  # fmt: skip
+                if status:
+                    raise cpu_avx2.scratch_error(status)
+                return out
     return ops.run_linear(linear, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features)
 
 

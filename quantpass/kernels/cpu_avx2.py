@@ -5,8 +5,9 @@ They read quantpass's own quantized layout (no prepared copy), take x, bias and 
 fp16, and multiply in one of three ways (`mode`): "exact" (fp32 activations), "int8" for INT4 weights
 (llama.cpp-style: each 128 activations quantized once per call to int8, integer multiply-adds) and
 "int16" for INT8 weights (activations to int16: exact integer products). The cpu backend chooses per
-format (`cpu.ACTIVATION_MODES`, measured). Speed and accuracy: bench/README.md, "CPU decode at the
-bandwidth limit".
+format (`cpu.ACTIVATION_MODES`, measured). Where the CPU has AVX-512 VNNI, INT4's "int8" mode runs on
+512-bit tiles instead of the AVX2 ones (`int4_tiles`, measured faster). Speed and accuracy:
+bench/README.md, "CPU decode at the bandwidth limit".
 
 The C source needs no Python or torch headers: the system C compiler builds it in about a second
 into a cache folder, ctypes loads it (and releases the GIL while it runs), and its OpenMP threads
@@ -44,6 +45,9 @@ FORMAT_MODES = {4: ("exact", "int8"), 8: ("exact", "int16")}  # by weight bits
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's F32, BF16, F16
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC")
 OPENMP = "-fopenmp"
+# INT4 x int8 tiles (csrc's qp_int4_vnni 0, 1): AVX-512 VNNI wherever the CPU has it (measured faster on
+# Ice Lake at M = 1, 2, 4: bench/README.md, "CPU decode at the bandwidth limit"), AVX2 elsewhere.
+INT4_TILES = ("avx2", "avx512-vnni")
 CAPABILITIES = ("AVX2", "AVX512")  # torch's names for x86-64 CPUs with AVX2 + FMA
 P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = (P, I64, I32, I64, I64, P, P, I64, I64, I32, P, I32, P, I64, I32, I32, I32)  # qp_linear's C signature
@@ -112,13 +116,38 @@ def run(lib, x, data, scale, bias, out, bits: int, mode: int, threads: int) -> t
         out.data_ptr(), out.shape[-1], DTYPES[out.dtype], mode, threads,
     )  # fmt: skip
     if status:
-        raise MemoryError(f"quantpass's CPU kernel could not allocate its scratch (status {status})")
+        raise scratch_error(status)
     return out
+
+
+def scratch_error(status: int) -> MemoryError:
+    return MemoryError(f"quantpass's CPU kernel could not allocate its scratch (status {status})")
+
+
+def int4_tiles(name: str | None = None) -> str:
+    """The INT4 x int8 tiles the kernels use (one of INT4_TILES); with `name`, switch to those first
+    ("avx512-vnni" only on a CPU with AVX-512 BW, VL and VNNI). Both give the reference's integer sums;
+    their fp32 sums differ in the last bits (8 vs 16 lanes)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"quantpass's CPU kernels can't run: {available()[1]}")
+    if name is not None:
+        if name not in INT4_TILES:
+            raise ValueError(f"invalid INT4 tiles {name!r}; valid: {', '.join(INT4_TILES)}")
+        if INT4_TILES[lib.qp_int4_vnni(INT4_TILES.index(name))] != name:
+            raise ValueError(f"this CPU can't run the {name} tiles (it lacks AVX-512 BW, VL or VNNI)")
+    return INT4_TILES[lib.qp_int4_vnni(-1)]
 
 
 def library():
     """The loaded library (ctypes), or None where `available()` says no."""
     return _library()[0] if available()[0] else None
+
+
+def entry_point():
+    """`qp_linear` itself (ctypes, arguments as `run` passes them), or None where `available()` says no."""
+    lib = library()
+    return None if lib is None else lib.qp_linear
 
 
 @functools.cache
@@ -142,6 +171,8 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
         return None, False, f"building csrc/{SOURCE.name} with {compiler} failed"
     lib.qp_linear.argtypes, lib.qp_linear.restype = _ARGS, ctypes.c_int
     lib.qp_scratch_bytes.argtypes, lib.qp_scratch_bytes.restype = (I64, I64, I32, I32), I64
+    lib.qp_int4_vnni.argtypes, lib.qp_int4_vnni.restype = (I32,), I32
+    lib.qp_int4_vnni(1)  # where the CPU has them (INT4_TILES)
     return lib, True, f"quantpass's AVX2 kernels ({path.name})"
 
 

@@ -21,7 +21,8 @@
  *          AND and a shift unpack 64 codes, two _mm256_maddubs_epi16 (unsigned codes x signed q) give
  *          int16 pair sums, added in int16 over the group (4 * 2 * 15 * 127 < 2^15); per group one
  *          _mm256_madd_epi16 to int32, one subtraction of 8 * sum(q) (precomputed), one conversion and one
- *          FMA by the weight's scale times d.
+ *          FMA by the weight's scale times d. Where the CPU has AVX-512 VNNI (`qp_int4_vnni`), one
+ *          _mm512_dpbusd_epi32 per 64 codes forms the same integer sums (tile_int4_int8_vnni).
  *   INT16  INT8 x int16 activations: each block of 128 activations becomes int16 (d = max|x| / 32767: 15 bits, more
  *          than bf16's 8), so the products are exact integer ones: 16 weights sign-extend to int16 in one
  *          instruction and meet 16 activations in one _mm256_madd_epi16 (an int32 lane gathers at most
@@ -231,6 +232,54 @@ INLINE void tile_int4_int8(const uint8_t *acts, qlayout l, const uint8_t *w, int
     for (int r = 0; r < R; r++) res[m * R + r] = hsum(acc[m][r]);
 }
 
+/* The same product with AVX-512 VNNI (Ice Lake and later): a group's 64 weight bytes in one register,
+ * _mm512_dpbusd_epi32 multiplies unsigned codes by signed activations and adds 4 products per int32 lane
+ * straight into the group's sum (no int16 stage), the correction rides in lane 0 (zero-extended). The
+ * activations of a group go in as [0..31, 64..95] against the low nibbles and [32..63, 96..127] against
+ * the high ones (two 32-byte halves each). Integer sums are exact either way; the fp32 sums run over 16
+ * lanes instead of 8, so this path's outputs differ from the AVX2 one's in the last bits. */
+#define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
+INLINE VNNI void tile_int4_int8_vnni(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes,
+                                     const float *s, float *res, int R, int MB) {
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[4][8];
+  for (int m = 0; m < MB; m++)
+    for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < l.blocks; g++) {
+    __m512i alo[4], ahi[4];
+    for (int m = 0; m < MB; m++) {
+      const uint8_t *q = acts + m * l.stride + g * GROUP;
+      alo[m] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q)),
+                                  _mm256_loadu_si256((const __m256i *)(q + 64)), 1);
+      ahi[m] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 32))),
+                                  _mm256_loadu_si256((const __m256i *)(q + 96)), 1);
+    }
+    __m512i corr[4];
+    __m512 dx[4];
+    for (int m = 0; m < MB; m++) {
+      const uint8_t *a = acts + m * l.stride;
+      dx[m] = _mm512_set1_ps(((const float *)(a + l.blocks * l.block_bytes))[g]);
+      corr[m] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(a + l.blocks * (l.block_bytes + 4)) + g));
+    }
+    for (int r = 0; r < R; r++) {
+      const __m512i v = _mm512_loadu_si512((const void *)(w + r * row_bytes + g * 64));
+      prefetch(w + (r + R) * row_bytes + g * 64); /* the next tile's row */
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      const __m512 scale = _mm512_set1_ps(s[r * l.blocks + g]); /* a broadcast operand of the FMA */
+      for (int m = 0; m < MB; m++) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr[m], lo, alo[m]), hi, ahi[m]);
+        acc[m][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dx[m]), scale, acc[m][r]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int r = 0; r < R; r++) {
+      const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[m][r]),
+                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[m][r]), 1)));
+      res[m * R + r] = hsum(h);
+    }
+}
+
 /* INT8 x int16 activations, one block of 128: `whole` (a constant where inlined) unless it is the row's
  * last, which may end inside the block. */
 INLINE void block_int8_int16(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes, int64_t b,
@@ -319,7 +368,7 @@ INLINE void tile_exact(const float *x, int64_t ldx, const uint8_t *w, int64_t ro
 
 typedef struct {
   int64_t M, N, K, kpad, row_bytes, ldo;
-  int bits, mode, otype, btype;
+  int bits, mode, otype, btype, vnni;
   const uint8_t *w, *acts; /* acts: integer rows [M][l.stride] or fp32 rows [M][kpad] (EXACT) */
   const float *s;
   const void *bias;
@@ -333,6 +382,10 @@ typedef void (*tile_fn)(const problem *, const uint8_t *acts, int64_t n, float *
   static void NAME##_##R##_##MB(const problem *p, const uint8_t *acts, int64_t n, float *res) { CALL; }
 #define W(p, n) ((p)->w + (n) * (p)->row_bytes)
 #define Q4(R, MB) TILE(int4_int8, R, MB, tile_int4_int8(acts, p->l, W(p, n), p->row_bytes, p->s + n * p->l.blocks, res, R, MB))
+#define V4(R, MB)                                                                                     \
+  static VNNI void int4_vnni_##R##_##MB(const problem *p, const uint8_t *acts, int64_t n, float *res) { \
+    tile_int4_int8_vnni(acts, p->l, W(p, n), p->row_bytes, p->s + n * p->l.blocks, res, R, MB);          \
+  }
 #define Q8(R, MB) TILE(int8_int16, R, MB, tile_int8_int16(acts, p->l, W(p, n), p->row_bytes, p->s + n, res, R, MB))
 #define EX(B, R, MB)                                                                                               \
   TILE(exact##B, R, MB,                                                                                            \
@@ -341,6 +394,7 @@ typedef void (*tile_fn)(const problem *, const uint8_t *acts, int64_t n, float *
 /* Rows per tile for MB = 1..4 (accumulators, decoded weights and temporaries in 16 registers), and the
  * one-row tiles for N's tail. */
 Q4(4, 1) Q4(2, 2) Q4(1, 1) Q4(1, 2) Q4(1, 3) Q4(1, 4)
+V4(8, 1) V4(4, 2) V4(2, 3) V4(2, 4) V4(1, 1) V4(1, 2) V4(1, 3) V4(1, 4)
 Q8(8, 1) Q8(4, 2) Q8(2, 3) Q8(2, 4) Q8(1, 1) Q8(1, 2) Q8(1, 3) Q8(1, 4)
 EX(4, 4, 1) EX(4, 2, 2) EX(4, 2, 3) EX(4, 2, 4) EX(4, 1, 1) EX(4, 1, 2) EX(4, 1, 3) EX(4, 1, 4)
 EX(8, 4, 1) EX(8, 2, 2) EX(8, 2, 3) EX(8, 2, 4) EX(8, 1, 1) EX(8, 1, 2) EX(8, 1, 3) EX(8, 1, 4)
@@ -351,6 +405,8 @@ typedef struct {
 } tiles;
 static const tiles INT4_INT8 = {{int4_int8_4_1, int4_int8_2_2, int4_int8_1_3, int4_int8_1_4},
                                 {int4_int8_1_1, int4_int8_1_2, int4_int8_1_3, int4_int8_1_4}, {4, 2, 1, 1}};
+static const tiles INT4_VNNI = {{int4_vnni_8_1, int4_vnni_4_2, int4_vnni_2_3, int4_vnni_2_4},
+                                {int4_vnni_1_1, int4_vnni_1_2, int4_vnni_1_3, int4_vnni_1_4}, {8, 4, 2, 2}};
 static const tiles INT8_INT16 = {{int8_int16_8_1, int8_int16_4_2, int8_int16_2_3, int8_int16_2_4},
                                  {int8_int16_1_1, int8_int16_1_2, int8_int16_1_3, int8_int16_1_4}, {8, 4, 2, 2}};
 static const tiles EXACT4 = {{exact4_4_1, exact4_2_2, exact4_2_3, exact4_2_4},
@@ -372,7 +428,7 @@ INLINE void store(void *out, int type, int64_t i, float f) {
 }
 
 static void rows(const problem *p, int64_t n0, int64_t n1) {
-  const tiles *t = p->mode == INT8 ? &INT4_INT8 : p->mode == INT16 ? &INT8_INT16 : p->bits == 4 ? &EXACT4 : &EXACT8;
+  const tiles *t = p->mode == INT8 ? (p->vnni ? &INT4_VNNI : &INT4_INT8) : p->mode == INT16 ? &INT8_INT16 : p->bits == 4 ? &EXACT4 : &EXACT8;
   const int64_t act_stride = p->mode == EXACT ? p->kpad * 4 : p->l.stride;
   float res[32];
   for (int64_t nb = n0; nb < n1; nb += 8) { /* 8 weight rows at a time: in cache while M repeats them */
@@ -406,6 +462,19 @@ static uint8_t *scratch(size_t bytes, int *fresh) {
   return kept;
 }
 
+/* Which INT4 x int8 tiles run: 0 the AVX2 ones, 1 the AVX-512 VNNI ones (only where the CPU has them). */
+static int use_vnni = 0;
+
+/* want 0 or 1: choose those tiles (1 only on a CPU with AVX-512 BW, VL and VNNI); -1: just ask. Returns
+ * the tiles in use after the call. */
+int qp_int4_vnni(int want) {
+  if (want == 0) use_vnni = 0;
+  if (want == 1 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+      __builtin_cpu_supports("avx512vnni"))
+    use_vnni = 1;
+  return use_vnni;
+}
+
 /* Bytes of scratch a call needs: fp32 rows [M][kpad] (EXACT), or integer rows [M][l.stride] then the one
  * fp32 row they are made from. */
 int64_t qp_scratch_bytes(int64_t M, int64_t kp, int bits, int mode) {
@@ -422,7 +491,7 @@ int qp_linear(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const
   if (mode != EXACT && mode != (bits == 4 ? INT8 : INT16)) return -2;
   problem p = {.M = M, .N = N, .K = K, .row_bytes = bits == 4 ? kp / 2 : kp, .ldo = ldo, .bits = bits,
                .mode = mode, .otype = otype, .btype = btype, .w = w, .s = s, .bias = bias,
-               .out = out};
+               .out = out, .vnni = use_vnni};
   p.kpad = padded_k(kp, bits, p.mode);
   p.l = layout(p.kpad, p.mode);
   int fresh;
