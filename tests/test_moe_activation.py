@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantpass.patterns.moe_activation import GatedActivation, NotAnActivation, identify_activation
+from quantpass.patterns.moe_activation import MatchedActivation, NotAnActivation, identify_activation
 
 I = 16  # noqa: E741  intermediate size: fused gate/up inputs are [8, 2I]
 
@@ -53,19 +53,19 @@ def scaled_in_place(h):
     return activated * up
 
 
-SILU = GatedActivation("silu", "concat")
+SILU = MatchedActivation("silu", "concat")
 RECOGNISED = {
     "silu": (lambda h: F.silu(halves(h)[0]) * halves(h)[1], SILU),
     "silu written out, split": (silu_written_out, SILU),
     "silu, slices, reordered": (lambda h: h[..., I:] * (torch.sigmoid(h[..., :I]) * h[..., :I]), SILU),
-    "silu interleaved, casts": (silu_cast, GatedActivation("silu", "interleaved")),
-    "gelu": (lambda h: F.gelu(halves(h)[0]) * halves(h)[1], GatedActivation("gelu", "concat")),
+    "silu interleaved, casts": (silu_cast, MatchedActivation("silu", "interleaved")),
+    "gelu": (lambda h: F.gelu(halves(h)[0]) * halves(h)[1], MatchedActivation("gelu", "concat")),
     "gelu tanh": (
         lambda h: F.gelu(halves(h)[0], approximate="tanh") * halves(h)[1],
-        GatedActivation("gelu_tanh", "concat"),
+        MatchedActivation("gelu_tanh", "concat"),
     ),
-    "gelu_new formula": (lambda h: gelu_new(halves(h)[0]) * halves(h)[1], GatedActivation("gelu_tanh", "concat")),
-    "swigluoai": (swigluoai, GatedActivation("swigluoai", "interleaved", 1.702, 7.0)),
+    "gelu_new formula": (lambda h: gelu_new(halves(h)[0]) * halves(h)[1], MatchedActivation("gelu_tanh", "concat")),
+    "swigluoai": (swigluoai, MatchedActivation("swigluoai", "interleaved", 1.702, 7.0)),
 }
 REFUSED = {
     "clamp(max=50)": (lambda h: F.silu(halves(h)[0].clamp(max=50)) * halves(h)[1], "computes mul(clamp("),
@@ -120,4 +120,4 @@ def test_anything_else_is_refused(name):
 
 @pytest.mark.parametrize(("fn", "gate_input"), [(lambda g, u: F.silu(g) * u, 0), (lambda u, g: u * F.silu(g), 1)])
 def test_separate_gate_and_up_projections(fn, gate_input):
-    assert identify(fn, I, I) == GatedActivation("silu", "concat", gate_input=gate_input)
+    assert identify(fn, I, I) == MatchedActivation("silu", "concat", gate_input=gate_input)
