@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from ..moe_problem import ACTIVATIONS, GATE_UP_LAYOUTS, MoEProblem, gated_activation  # noqa: F401 (the reference's math)
-from ..quant_registry.formats import E4M3_MIN_SCALE, ELEMENTS, _round, dequantize, quantize
+from ..quant_registry.formats import E4M3_MIN_SCALE, ELEMENTS, _round, dequantize, quantize, rows_per_step
 from ..quant_registry.keys import FP4, FP8, QuantKey, kFp8StaticTensorSym, kNvfp4CalibratedGlobal, needs_input_scale
 from ..quant_registry.qtensor import QTensor
 from . import registry
@@ -76,10 +76,7 @@ def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     a whole fp32 copy per call (11 MiB for a 2816x1024 weight) was freed memory glibc kept, and the
     process held 1.3-1.8x the quantized weights' size (bench/README.md, "Memory")."""
     rows, cols = weight.shape[-2:]
-    group_rows = weight.key.group_shape.row
-    step = max(1, DEQUANTIZE_CHUNK // max(cols, 1))
-    if group_rows > 1:
-        step = max(group_rows, step // group_rows * group_rows)
+    step = rows_per_step(cols, weight.key.group_shape.row, DEQUANTIZE_CHUNK)
     if step >= rows:
         return x @ dequantize(weight, torch.float32).t()
     out = torch.empty(*x.shape[:-1], rows, dtype=torch.float32, device=x.device)

@@ -204,10 +204,15 @@ def _chunk_rows(x: torch.Tensor, key: QuantKey) -> int:
     group_rows, chunk = key.group_shape.row, QUANTIZE_CHUNK if x.device.type == "cpu" else QUANTIZE_CHUNK_GPU
     if not key.static or rows * cols <= 2 * chunk or (group_rows == -1 and not _whole_rows(key)):
         return 0
-    step = max(1, chunk // cols)
-    if group_rows > 1:  # whole row groups per step
-        step = max(group_rows, step // group_rows * group_rows)
+    step = rows_per_step(cols, group_rows, chunk)
     return step if step < rows else 0
+
+
+def rows_per_step(cols: int, group_rows: int, chunk: int) -> int:
+    """How many rows of `cols` elements make about `chunk` elements, rounded to whole row groups
+    (at least one row, or one group): the step of every row-chunked loop over a weight."""
+    step = max(1, chunk // max(cols, 1))
+    return max(group_rows, step // group_rows * group_rows) if group_rows > 1 else step
 
 
 def _quantize_in_chunks(x: torch.Tensor, key: QuantKey, step: int, shape, dtype) -> QTensor:
