@@ -166,7 +166,6 @@ class WeightCache:
         storage.resize_(0)
         record.state, record.storage, record.released = _state(param, record.inference), storage, True
         self.release_epoch += 1
-        install_eager_guard()
         # copy.deepcopy / pickle (torch.save(model)) of a released weight: its dequantized value, never
         # freed memory (instance attributes win over Tensor's methods; `restore` removes them)
         ref = weakref.ref(param)
