@@ -11,7 +11,8 @@ Method. Bandwidth: csrc/read_bandwidth.c reads 512 MiB with AVX2 as 1, 4, 8 or 1
 over the same bytes is shown too. Layers: 8 distinct 4096x4096 bf16 linears, used in rotation, so every
 call reads its weights from DRAM (8 x 8.4 MB of INT4 or 16.8 MB of INT8 > the 48 MB L3). Per layer: the
 raw kernel (`cpu_avx2.run` into a preallocated output; INT4 also on its AVX2 tiles where the AVX-512 VNNI
-ones are in use), the graph op called eagerly, a compiled
+ones are in use), the graph op called eagerly (the one compiled graphs call: the C++ op where it
+builds, kernels/cpu_op.py; and the Python `quantpass::linear_cpu` side by side), a compiled
 single-linear module (`torch.compile(layer, backend=qp.backend(...))`), one compiled module chaining
 all 8 (time / 8), and torchao's `Int8WeightOnlyConfig` / prototype `PrototypeInt4WeightOnlyConfig`
 (Int4OpaqueTensor, aten's `_weight_int4pack_mm_for_cpu`), eager and compiled. Every case runs once per
@@ -146,7 +147,7 @@ def layer_cases(name: str, threads: int) -> tuple[dict, int]:
     ao_layers = [torchao_quantized(layer, name) for layer in layers]
     ao_compiled = [torch.compile(layer) for layer in ao_layers]
     ao_chain = torch.compile(torch.nn.Sequential(*ao_layers))
-    op = torch.ops.quantpass.linear_cpu.default
+    python_op, graph_op = torch.ops.quantpass.linear_cpu.default, cpu.graph_linear_op("cpu")
 
     def each(fn):
         return lambda: [fn(i) for i in range(LAYERS)]
@@ -166,7 +167,10 @@ def layer_cases(name: str, threads: int) -> tuple[dict, int]:
         "raw kernel": each(raw),
         "raw kernel, fp32 activations": each(lambda i: raw(i, cpu_avx2.MODES["exact"])),
         "graph op (eager)": each(
-            lambda i: op(x, weights[i].data, weights[i].scale, None, None, str(key), "", "cpu", SIZE)
+            lambda i: graph_op(x, weights[i].data, weights[i].scale, None, None, str(key), "", "cpu", SIZE)
+        ),
+        "graph op, Python (eager)": each(
+            lambda i: python_op(x, weights[i].data, weights[i].scale, None, None, str(key), "", "cpu", SIZE)
         ),
         "compiled layer": each(lambda i: compiled[i](x)),
         "compiled 8-layer chain": lambda: chain(x),

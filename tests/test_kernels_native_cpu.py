@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from quantpass.kernels import cpu, cpu_avx2, native, oracle, reference
+from quantpass.kernels import cpu, cpu_avx2, cpu_op, native, oracle, reference
 from quantpass.kernels.ops import key_arg, linear_call, prepare_weight
 from quantpass.kernels.oracle import Capability, Problem
 from quantpass.metrics import sqnr
@@ -143,17 +143,25 @@ def test_cpu_through_the_graph_op(key, int4_kernel):
     qt = quantize(w, key)
     prepared = prepare_weight("cpu", "linear", qt)
     op = linear_call("cpu", "cpu")
-    assert op is torch.ops.quantpass.linear_cpu.default
+    cxx = cpu_op.op(cpu._FAST.items()) if int4_kernel == "avx2" else None
+    assert op is (cxx or torch.ops.quantpass.linear_cpu.default)
     args = (prepared.data, prepared.scale, prepared.scale2, bias, key_arg(key), "", "cpu", 96)
     out = torch.compile(op, backend="aot_eager", fullgraph=True)(x.unsqueeze(0), *args)[0]
     assert torch.equal(out, cpu.linear(x, prepared, None, bias))
 
 
-def test_cpu_graph_op_routes_equal_the_backend(int4_kernel):
-    """The op's routes (our kernel straight from the graph; an activation key, aten's layout or an
-    unprepared weight through `cpu.linear`) give what `cpu.linear` gives, on either side of the
-    large-M switch."""
-    op = linear_call("cpu", "cpu")
+@pytest.mark.parametrize("language", ["python", "c++"])
+def test_cpu_graph_op_routes_equal_the_backend(int4_kernel, language):
+    """Each graph op's routes (our kernel straight from the graph; an activation key, aten's layout or
+    an unprepared weight through `cpu.linear`) give what `cpu.linear` gives, on either side of the
+    large-M switch: the Python `quantpass::linear_cpu` and the C++ `quantpass::linear_cpu_cxx`."""
+    op = torch.ops.quantpass.linear_cpu.default
+    if language == "c++":
+        op = linear_call("cpu", "cpu")
+        if op is torch.ops.quantpass.linear_cpu.default:
+            pytest.skip(
+                "the C++ op runs only where our kernels do and builds" if int4_kernel == "avx2" else "aten's kernels"
+            )
     _, w, bias = operands(1, 96, 300, torch.bfloat16)
     for key, act in CPU_PAIRS:
         qt = quantize(w, key)

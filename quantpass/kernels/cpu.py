@@ -12,8 +12,9 @@ through the same kernels on fake-quantized activations).
   codes, value + 8, go in as they are, zero 0); up to `KERNEL_MAX_M` rows, dequantize + matmul above.
 
 Every weight has one prepared copy: ours is the quantized weight itself; aten's replaces it, and the
-large-M path dequantizes per call. A compiled graph calls `quantpass::linear_cpu` (`graph_linear_op`),
-which goes straight to our kernel when it can. `fused_moe` is the reference's per-expert loop with
+large-M path dequantizes per call. A compiled graph calls `quantpass::linear_cpu_cxx` (C++,
+cpu_op.py) or, where that can't be built, `quantpass::linear_cpu` (`graph_linear_op`): both go
+straight to our kernel when they can. `fused_moe` is the reference's per-expert loop with
 these kernels per expert (at decode an expert sees a few rows: the kernels' best case). Measurements:
 bench/README.md ("CPU decode at the bandwidth limit", "Results: CPU").
 """
@@ -33,7 +34,7 @@ from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, 
 from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import KINDS
-from . import cpu_avx2, ops, reference, registry
+from . import cpu_avx2, cpu_op, ops, reference, registry
 from .reference import fake_quantize
 
 logger = logging.getLogger("quantpass")
@@ -269,9 +270,13 @@ _FAST = {str(key): (BITS[key], cpu_avx2.MODES[ACTIVATION_MODES[key][0]], OURS_MA
 
 
 def graph_linear_op(device_type: str):
-    """On CPU, `quantpass::linear_cpu` (a plain torch.library op: the generic `quantpass::linear` is a
+    """On CPU, `quantpass::linear_cpu_cxx` (the same op in C++, cpu_op.py) where it builds, else
+    `quantpass::linear_cpu` (a plain torch.library op: the generic `quantpass::linear` is a
     `custom_op`, ~20 us more per call, measured in bench/cpu_decode.py)."""
-    return torch.ops.quantpass.linear_cpu.default if device_type == "cpu" else None
+    if device_type != "cpu":
+        return None
+    fast = cpu_op.op(_FAST.items()) if cpu_avx2.entry_point() is not None else None
+    return fast or torch.ops.quantpass.linear_cpu.default
 
 
 graph_moe_op = registry.no_graph_op  # MoE goes through the generic quantpass::fused_moe
@@ -316,9 +321,7 @@ def _graph_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key
 _LIBRARY.impl("linear_cpu", _graph_linear, "CPU")
 
 
-@torch.library.register_fake("quantpass::linear_cpu")
-def _(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):
-    return x.new_empty((*x.shape[:-1], out_features))
+torch.library.register_fake("quantpass::linear_cpu")(cpu_op.fake_linear)
 
 
 # --- Reading `_convert_weight_to_int4pack_for_cpu`'s layout back: only where aten's INT4 kernel runs

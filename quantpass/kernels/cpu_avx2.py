@@ -44,7 +44,7 @@ MODES = {"exact": 0, "int8": 1, "int16": 2}  # csrc's EXACT, INT8, INT16
 FORMAT_MODES = {4: ("exact", "int8"), 8: ("exact", "int16")}  # by weight bits
 DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # csrc's F32, BF16, F16
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC")
-OPENMP = "-fopenmp"
+OPENMP = "-fopenmp"  # tried first; without it the kernels build single-threaded
 # INT4 x int8 tiles (csrc's qp_int4_vnni 0, 1): AVX-512 VNNI wherever the CPU has it (measured faster on
 # Ice Lake at M = 1, 2, 4: bench/README.md, "CPU decode at the bandwidth limit"), AVX2 elsewhere.
 INT4_TILES = ("avx2", "avx512-vnni")
@@ -176,11 +176,13 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     return lib, True, f"quantpass's AVX2 kernels ({path.name})"
 
 
-def build(compiler: str, source: Path) -> Path:
+def build(compiler: str, source: Path, flags=FLAGS, variants=((OPENMP,), ()), after=()) -> Path:
     """The shared library for this source, compiler and flags: from the cache, or compiled into it
-    (written under a temporary name, then renamed, so concurrent builders never load half a file)."""
+    (written under a temporary name, then renamed, so concurrent builders never load half a file).
+    `variants`: extra flags tried in order (the first that builds wins); `after`: linker arguments."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    digest = hashlib.sha256(source.read_bytes() + " ".join((compiler, *FLAGS, version)).encode()).hexdigest()[:16]
+    recipe = " ".join((compiler, *flags, *(f for v in variants for f in v), *after, version))
+    digest = hashlib.sha256(source.read_bytes() + recipe.encode()).hexdigest()[:16]
     folder = _cache_folder()
     target = folder / f"{source.stem}-{digest}.so"
     if target.exists():
@@ -189,8 +191,10 @@ def build(compiler: str, source: Path) -> Path:
     fd, tmp = tempfile.mkstemp(dir=folder, suffix=".so")
     os.close(fd)
     try:
-        for extra in ((OPENMP,), ()):  # single-threaded if the compiler has no OpenMP
-            done = subprocess.run([compiler, *FLAGS, *extra, str(source), "-o", tmp], capture_output=True, text=True)
+        for extra in variants:
+            done = subprocess.run(
+                [compiler, *flags, *extra, str(source), "-o", tmp, *after], capture_output=True, text=True
+            )
             if done.returncode == 0:
                 break
         done.check_returncode()
@@ -198,8 +202,7 @@ def build(compiler: str, source: Path) -> Path:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    threads = "OpenMP" if extra else "single-threaded: the compiler has no OpenMP"
-    logger.info("built %s in %.1f s (%s): %s", source.name, time.perf_counter() - start, threads, target)
+    logger.info("built %s in %.1f s (%s): %s", source.name, time.perf_counter() - start, " ".join(extra), target)
     return target
 
 

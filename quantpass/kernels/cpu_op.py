@@ -1,0 +1,79 @@
+"""`quantpass::linear_cpu_cxx`: the cpu backend's graph op as a C++ torch.library op
+(csrc/linear_op.cpp), so a compiled graph reaches quantpass's C kernels with no Python body and no
+ctypes call in between.
+
+At decode each linear's op runs right after the previous kernel streamed megabytes of weights
+through the caches, so every interpreted step of a Python op body is a cache miss: the C++ op does
+the same checks and calls the kernel's entry point directly (bench/README.md, "CPU decode at the
+bandwidth limit", has the measurement). Its schema is `quantpass::linear_cpu`'s, and anything off
+its fast path goes to that op, so both always agree.
+
+Built on first use with the system C++ compiler against the running torch's headers (~10 s, once
+per torch version; cached next to the C kernels). Where it can't be built (no C++ compiler, no torch
+headers, the C kernels unavailable, `QUANTPASS_CPU_KERNEL=0`), `op()` is None, with the reason in
+the log, and graphs call the Python `quantpass::linear_cpu`.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+import torch.utils.cpp_extension as cpp_extension
+
+from . import cpu_avx2
+
+logger = logging.getLogger("quantpass")
+
+SOURCE = cpu_avx2.CSRC / "linear_op.cpp"
+FLAGS = ("-O2", "-std=c++20", "-shared", "-fPIC")
+
+
+def fake_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):
+    """Both graph ops' output, for tracing."""
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+def op(fast: Iterable[tuple[str, tuple[int, int, int]]]):
+    """The C++ op, set up with the kernels' table `fast` (weight key -> (bits, mode, most rows)), or
+    None where it can't be built here (see `reason()`)."""
+    return _load(tuple(sorted(fast)))[0]
+
+
+def reason(fast: Iterable[tuple[str, tuple[int, int, int]]]) -> str:
+    return _load(tuple(sorted(fast)))[1]
+
+
+@functools.cache
+def _load(fast: tuple[tuple[str, tuple[int, int, int]], ...]):
+    entry = cpu_avx2.entry_point()
+    if entry is None:
+        return None, f"quantpass's C kernels are not available: {cpu_avx2.available()[1]}"
+    compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if compiler is None:
+        return None, "no C++ compiler (c++, g++ or $CXX) to build it"
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    includes = [f"-I{path}" for path in cpp_extension.include_paths()[:1]]
+    libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
+    after = (*libraries, "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{cpp_extension.library_paths()[0]}")
+    flags = (*FLAGS, abi, f"-DQP_TORCH_VERSION={torch.__version__}", *includes)
+    try:
+        path = cpu_avx2.build(compiler, SOURCE, flags=flags, variants=((),), after=after)
+        torch.ops.load_library(str(path))
+    except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
+        detail = (getattr(error, "stderr", "") or str(error)).strip()
+        logger.warning("building quantpass's C++ graph op failed, graphs use the Python one: %s", detail[-500:])
+        return None, f"building csrc/{SOURCE.name} with {compiler} failed"
+    keys = [key for key, _ in fast]
+    bits, modes, most = ([row[i] for _, row in fast] for i in range(3))
+    address = ctypes.cast(entry, ctypes.c_void_p).value
+    torch.ops.quantpass._cpu_op_setup(address, keys, bits, modes, most)
+    torch.library.register_fake("quantpass::linear_cpu_cxx")(fake_linear)
+    return torch.ops.quantpass.linear_cpu_cxx.default, f"C++ op ({Path(path).name})"

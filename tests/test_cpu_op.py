@@ -1,0 +1,83 @@
+"""The cpu backend's C++ graph op (`quantpass::linear_cpu_cxx`, csrc/linear_op.cpp): on every route it
+gives exactly what the Python `quantpass::linear_cpu` gives (the same kernel on its fast path, that op
+itself off it), compiled graphs call it, and where it can't be built the reason is named and graphs
+use the Python op."""
+
+import pytest
+import torch
+
+import quantpass as qp
+from quantpass.kernels import cpu, cpu_avx2, cpu_op
+from quantpass.kernels.ops import key_arg
+from quantpass.quant_registry import quantize
+from quantpass.quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
+
+FAST = cpu._FAST.items()
+CXX = cpu_op.op(FAST) if cpu_avx2.available()[0] else None
+needs_op = pytest.mark.skipif(CXX is None, reason=f"no C++ op here: {cpu_op.reason(FAST)}")
+PYTHON = torch.ops.quantpass.linear_cpu.default
+
+
+def both(x, qt, key, bias=None, activation=None, scale=None):
+    scale = qt.scale if scale is None else scale
+    args = (qt.data, scale, None, bias, key_arg(key), key_arg(activation), "cpu", qt.data.shape[0])
+    return PYTHON(x, *args), CXX(x, *args)
+
+
+@needs_op
+@pytest.mark.parametrize("key", [kInt4StaticGroup128Sym, kInt8StaticChannelSym], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_fast_path_equals_the_python_op(key, dtype):
+    """Odd K and N, 2-D and 3-D x, every x dtype with and without a bias of another dtype, M up to the
+    format's limit (the kernel) and past it (dequantize + matmul through the Python op)."""
+    gen = torch.Generator().manual_seed(0)
+    qt = quantize(torch.randn(67, 300, generator=gen), key)
+    most = cpu.OURS_MAX_M[key]
+    for shape in [(1, 300), (3, 300), (2, 2, 300), (most, 300), (most + 1, 300), (2, most, 300)]:
+        x = torch.randn(shape, generator=gen).to(dtype)
+        for bias in (None, torch.randn(67, generator=gen).to(torch.bfloat16)):
+            want, got = both(x, qt, key, bias)
+            assert got.shape == (*shape[:-1], 67) and got.dtype == dtype
+            assert torch.equal(got, want), (shape, bias is None)
+
+
+@needs_op
+def test_off_the_fast_path_it_is_the_python_op():
+    """Non-unit column stride, an activation key (W8A8), a weight the kernels don't read (aten's INT8
+    scales [N]), an x dtype they don't read, and a key with no kernel all go through the Python op."""
+    gen = torch.Generator().manual_seed(1)
+    int8 = quantize(torch.randn(40, 256, generator=gen), kInt8StaticChannelSym)
+    x = torch.randn(256, 3, generator=gen).t()  # stride(1) == 256
+    assert torch.equal(*both(x, int8, kInt8StaticChannelSym))
+    x = torch.randn(5, 256, generator=gen)
+    assert torch.equal(*both(x, int8, kInt8StaticChannelSym, activation=kInt8DynamicTokenSym))
+    assert torch.equal(*both(x, int8, kInt8StaticChannelSym, scale=int8.scale.reshape(-1)))
+    assert torch.equal(*both(x.double(), int8, kInt8StaticChannelSym))
+
+
+@needs_op
+def test_compiled_graphs_call_it():
+    """A model compiled on the cpu backend runs the C++ op (seen by the profiler), under Inductor."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    compiled = torch.compile(model, backend=qp.backend(linear="int4_weight_only", backend="cpu"))
+    x = torch.randn(2, 256)
+    with torch.no_grad():
+        compiled(x)
+        with torch.profiler.profile() as prof:
+            compiled(x)
+    names = [event.name for event in prof.events()]
+    assert names.count("quantpass::linear_cpu_cxx") == 2 and "quantpass::linear_cpu" not in names
+
+
+def test_unavailable_reasons(monkeypatch):
+    load = cpu_op._load.__wrapped__
+    monkeypatch.setattr(cpu_avx2, "available", lambda: (False, "turned off by the test"))
+    assert load(tuple(FAST)) == (None, "quantpass's C kernels are not available: turned off by the test")
+    monkeypatch.undo()
+    if not cpu_avx2.available()[0]:
+        pytest.skip(f"the C kernels can't run here: {cpu_avx2.available()[1]}")
+    monkeypatch.setenv("CXX", "/nonexistent/c++")
+    assert load(tuple(FAST)) == (None, "building csrc/linear_op.cpp with /nonexistent/c++ failed")
+    monkeypatch.setattr(cpu_op, "op", lambda fast: None)
+    assert cpu.graph_linear_op("cpu") is PYTHON
