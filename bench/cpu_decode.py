@@ -14,7 +14,8 @@ raw kernel (`cpu_avx2.run` into a preallocated output; INT4 also on its AVX2 til
 ones are in use), the graph op called eagerly (the one compiled graphs call: the C++ op where it
 builds, kernels/cpu_op.py; and the Python `quantpass::linear_cpu` side by side), a compiled
 single-linear module (`torch.compile(layer, backend=qp.backend(...))`), one compiled module chaining
-all 8 (time / 8), and torchao's `Int8WeightOnlyConfig` / prototype `PrototypeInt4WeightOnlyConfig`
+all 8 (time / 8), the same layers unquantized in bf16, eager and compiled by plain Inductor (what
+torch.compile itself adds per module call), and torchao's `Int8WeightOnlyConfig` / prototype `PrototypeInt4WeightOnlyConfig`
 (Int4OpaqueTensor, aten's `_weight_int4pack_mm_for_cpu`), eager and compiled. Every case runs once per
 round, rounds interleaved; the table shows the median and the spread (min-max) over rounds, wall
 time. Model: `LlamaForCausalLM` (hidden 2048, 4 layers, vocab 1024 so lm_head is small), bf16, one
@@ -126,24 +127,27 @@ def torchao_quantized(module: torch.nn.Module, name: str, skip: str | None = Non
 
 @functools.cache
 def layer_weights(name: str):
-    """8 bf16 linears and their prepared quantpass weights (built once per format)."""
+    """8 bf16 linears, their prepared quantpass weights and 8 bf16 copies the pass never sees (built
+    once per format)."""
     torch.manual_seed(0)
     layers = [torch.nn.Linear(SIZE, SIZE, bias=False).to(torch.bfloat16) for _ in range(LAYERS)]
     key = FORMATS[name][1]
-    return layers, [cpu.prepare_weight("linear", quantize(layer.weight.detach(), key)) for layer in layers]
+    weights = [cpu.prepare_weight("linear", quantize(layer.weight.detach(), key)) for layer in layers]
+    return layers, weights, copy.deepcopy(layers)
 
 
 def layer_cases(name: str, threads: int) -> tuple[dict, int]:
     """{case: one pass over the 8 layers}, and the quantized bytes one layer reads. Compiles anew:
     Inductor's kernels are built for the thread count at compile time."""
     fmt, key = FORMATS[name]
-    layers, weights = layer_weights(name)
+    layers, weights, plain = layer_weights(name)
     x, out = torch.randn(1, SIZE, dtype=torch.bfloat16), torch.empty(1, SIZE, dtype=torch.bfloat16)
     lib, bits = cpu_avx2.library(), cpu.BITS[key]
     mode = cpu_avx2.MODES[cpu.ACTIVATION_MODES[key][0]]
     backend = qp.backend(linear=fmt, backend="cpu")
     compiled = [torch.compile(layer, backend=backend) for layer in layers]
     chain = torch.compile(torch.nn.Sequential(*layers), backend=backend)
+    plain_compiled = [torch.compile(layer) for layer in plain]
     ao_layers = [torchao_quantized(layer, name) for layer in layers]
     ao_compiled = [torch.compile(layer) for layer in ao_layers]
     ao_chain = torch.compile(torch.nn.Sequential(*ao_layers))
@@ -174,6 +178,8 @@ def layer_cases(name: str, threads: int) -> tuple[dict, int]:
         ),
         "compiled layer": each(lambda i: compiled[i](x)),
         "compiled 8-layer chain": lambda: chain(x),
+        "bf16 eager layer": each(lambda i: plain[i](x)),
+        "bf16 compiled layer (Inductor)": each(lambda i: plain_compiled[i](x)),
         "torchao eager": each(lambda i: ao_layers[i](x)),
         "torchao compiled layer": each(lambda i: ao_compiled[i](x)),
         "torchao compiled 8-layer chain": lambda: ao_chain(x),
@@ -391,6 +397,11 @@ def layer_targets(name, threads, times, nbytes, best_bw) -> list[tuple]:
         out.append((f"{name} raw kernel, fraction of 1-thread bandwidth", raw_gbps / best_bw[1], TARGET_FRACTION[name]))
         for case in ("compiled layer", "compiled 8-layer chain"):
             out.append((f"{name} raw kernel / {case} (>= 1/1.1)", med["raw kernel"] / med[case], 1 / 1.1))
+        # what torch.compile adds per compiled module call, with and without quantpass (ms per layer)
+        ours = (med["compiled layer"] - med["graph op (eager)"]) / LAYERS
+        out.append((f"{name} compiled layer - graph op, ms per layer", ours * 1e3, None))
+        plain = (med["bf16 compiled layer (Inductor)"] - med["bf16 eager layer"]) / LAYERS
+        out.append((f"{name} bf16 compiled - eager layer (plain Inductor), ms per layer", plain * 1e3, None))
     torchao = min(med["torchao eager"], med["torchao compiled layer"])
     out.append(
         (
