@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..problem import Problem
+from ..quant_registry.names import Kind
 from .fx_match import argument, op_name, shape, value
 from .moe_expert_gemms import ExpertGemmSite, ExpertMatmul, expert_gemm_site
 from .moe_interpreter import hidden_root, ids_root, prove
@@ -44,7 +45,7 @@ class MoESite(Site):
     """One experts region. `params` = [w13, w2], or [w1 (gate), w3 (up), w2] when gate and up are
     separate parameters (gather-einsum style); the lowering prepares [w13, w2] either way."""
 
-    kind = "moe"
+    kind = Kind.MOE
     hidden: fx.Node | None = None  # [T, H] tokens entering the experts
     topk_weights: fx.Node | None = None  # [T, k]
     topk_ids: fx.Node | None = None  # [T, k]
