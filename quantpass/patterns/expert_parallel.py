@@ -140,6 +140,7 @@ class ExpertParallelMoESite(MoESite):
 
     @classmethod
     def from_site(cls, site: MoESite, global_experts: int, first_expert: int) -> ExpertParallelMoESite:
+        # `dataclasses.replace` keeps the class: this builds the subclass from the site's field values
         moved = {f.name: getattr(site, f.name) for f in fields(site)}
         moved.update(topk_ids=global_ids(site.topk_ids), local_ids=site.topk_ids)
         return cls(**moved, global_experts=global_experts, first_expert=first_expert)
