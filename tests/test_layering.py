@@ -1,8 +1,8 @@
 """Detection does not depend on kernels or on the lowering.
 
 No module of `quantpass/patterns` imports `quantpass.kernels`, or a `quantpass.passes` module other
-than the generic FX helpers; and nothing it imports, transitively, reaches a kernel module (only the
-table of backend names, which the config validates against and which imports no kernel).
+than the generic FX helpers; and nothing it imports, transitively, reaches a kernel module (the
+config validates backend names against `quant_registry/names.py`, not the kernel registry).
 
 Read statically: every `import` statement a module runs (top level or inside a function, where the
 lazy imports sit; not `if TYPE_CHECKING:` blocks) resolved to the quantpass module it names, then
@@ -22,7 +22,6 @@ PACKAGE = Path(quantpass.__file__).resolve().parent
 DETECTION = "quantpass.patterns"
 FORBIDDEN = ("quantpass.kernels", "quantpass.passes")
 ALLOWED = {"quantpass.passes.fx_utils"}  # graph helpers with no quantpass import (checked below)
-NAME_TABLES = {"quantpass.kernels.registry"}  # reached through the config (quant_registry/spec.py)
 
 
 def _path(module: str) -> Path | None:
@@ -99,9 +98,7 @@ def test_detection_imports_no_kernels_and_no_lowering(module):
     direct = {name for name in imports(module) if _forbidden(name)}
     assert not direct, f"{module} imports {sorted(direct)}: detection must not depend on kernels or the lowering"
     chains = reached(module)
-    kernels = {
-        n: " -> ".join(c) for n, c in chains.items() if n.startswith("quantpass.kernels.") and n not in NAME_TABLES
-    }
+    kernels = {n: " -> ".join(c) for n, c in chains.items() if n.startswith("quantpass.kernels.")}
     assert not kernels, f"{module} reaches kernel modules: " + "; ".join(kernels.values())
 
 
@@ -117,5 +114,6 @@ def test_the_scan_sees_imports_of_each_spelling():
     assert "quantpass.patterns.attention" in imports("quantpass.patterns.linear")  # inside a function
     chain = reached("quantpass.passes.lower")["quantpass.kernels.oracle"]
     assert chain[0] == "quantpass.passes.lower" and chain[-1] == "quantpass.kernels.oracle"
-    assert "quantpass.kernels.registry" in reached("quantpass.patterns.moe")  # through the config: NAME_TABLES
+    assert "quantpass.quant_registry.spec" in reached("quantpass.patterns.moe")  # the config is followed...
+    assert "quantpass.quant_registry.names" in imports("quantpass.quant_registry.spec")  # ...its backend names
     assert "quantpass.kernels.oracle" not in imports("quantpass.kernels.registry")  # under TYPE_CHECKING only
