@@ -2,8 +2,8 @@
 
 The design is docs/distributed.md. In short: a DTensor parameter is quantized as `param.to_local()`
 (a view of this rank's shard: no full weight is ever gathered or allocated), and the graph is first
-normalized so that each sharded layer computes on local tensors (`patterns/sharded.py`,
-`patterns/expert_parallel.py`); the site finders, kernels and weight cache then work unchanged.
+normalized so that each sharded layer computes on local tensors (`passes/normalize_sharded.py`,
+`passes/normalize_expert_parallel.py`); the site finders, kernels and weight cache then work unchanged.
 Scale groups are those of the shard: per-channel and per-tensor scales are per shard (no
 collective at compile time, and at least as accurate as one scale for the whole tensor); a group
 of fixed size must not straddle a shard boundary (`check_shards` raises at compile time).
@@ -60,8 +60,8 @@ def normalize(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     if not any(is_dtensor(v) for v in example_inputs) and not _has_collectives(gm.graph):
         return gm
     from .passes.fx_utils import copy_graph_module
-    from .patterns.expert_parallel import normalize_expert_parallel
-    from .patterns.sharded import functional_all_reduce, localize_linears
+    from .passes.normalize_expert_parallel import normalize_expert_parallel
+    from .passes.normalize_sharded import functional_all_reduce, localize_linears
 
     new = copy_graph_module(gm)
     localize_linears(new.graph, example_inputs)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..passes.fx_utils import extract
 from ..problem import Problem
 from ..quant_registry.names import Kind
 from .fx_match import argument, op_name, shape, value
@@ -27,7 +28,7 @@ from .moe_expert_gemms import ExpertGemmSite, ExpertMatmul, expert_gemm_site
 from .moe_interpreter import hidden_root, ids_root, prove
 from .moe_modulelist import find_module_list_experts
 from .moe_rules import DOWN, UP, NotProven, same, sym
-from .moe_subgraph import collect_region, extract
+from .moe_subgraph import collect_region
 from .site import ParamRef, Site, param_refs
 
 
