@@ -340,7 +340,7 @@ def test_both_backends_follow_one_fp8_accumulation_policy(monkeypatch):
     """`scheme.FP8_ACCUMULATION` is the policy: native passes it to torch._scaled_mm (here on CPU,
     where the argument is accepted and ignored), Triton's sm90 dot promotes every FP8_PROMOTE_K
     (tests/test_triton_aot.py reads the compiled kernel)."""
-    from quantpass.kernels import native
+    from quantpass.kernels import torch_ops as native
     from quantpass.kernels.triton import scheme
 
     assert scheme.FP8_ACCUMULATION == "precise" and native.USE_FAST_ACCUM is False

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # Each backend's module; the names are `BackendName`'s (quant_registry/names.py), the one list of them.
 BACKEND_MODULES = {
     BackendName.REFERENCE: "quantpass.kernels.reference",
-    BackendName.NATIVE: "quantpass.kernels.native",
+    BackendName.NATIVE: "quantpass.kernels.torch_ops",
     BackendName.TRITON: "quantpass.kernels.triton",
     BackendName.CPU: "quantpass.kernels.cpu",
     BackendName.FLASHINFER: "quantpass.kernels.flashinfer",
