@@ -275,7 +275,7 @@ def test_plans_are_cached_per_weight_and_tuned_configs_launch_directly(monkeypat
     for _ in range(3):
         gemm.quantized_matmul(x, qw, split_k=1)
     assert len(calls) == 1, "the plan is cached per weight"
-    assert [kernel for kernel, _ in launched] == [Autotuner, gemm._gemm_kernel, gemm._gemm_kernel]
+    assert [kernel for kernel, _ in launched] == [Autotuner, gemm.gemm_kernel, gemm.gemm_kernel]
     assert launched[1][1]["BLOCK_N"] == 32 and launched[1][1]["num_warps"] == 4
     gemm.quantized_matmul(x, qw, torch.randn(64, dtype=torch.bfloat16), split_k=1)  # new options: new plan
     assert len(calls) == 2
