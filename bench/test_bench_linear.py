@@ -75,7 +75,7 @@ def compiled_op(backend: str, format_name: str, n: int):
 def gemm_only(backend: str, x: torch.Tensor, w: qp.QTensor, spec):
     """The GEMM on activations quantized once, before timing."""
     if backend == "native":
-        from quantpass.kernels import native
+        from quantpass.kernels import torch_ops as native
         from quantpass.quant_registry import formats
 
         gemm = native._GEMM_FUNCTIONS[native.GEMMS[(spec.weight, spec.activation)]]

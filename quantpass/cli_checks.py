@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .quant_registry.names import Kind
 from .quant_registry.spec import SHORTHANDS, QuantizationConfig, QuantSpec
 
 DEFAULT_LABEL = "default"  # --compare name for the device's default formats
@@ -15,13 +16,16 @@ DEFAULT_LABEL = "default"  # --compare name for the device's default formats
 # dequantizing `reference`). CPU: the cpu backend's weight-only INT8/INT4 kernels (FP8 and MX
 # formats have only `reference` there); they win in bf16 models (see presets.default_dtype).
 # CUDA: FP8 linears and MXFP8 experts where a kernel runs them, else the next fast format.
-DEVICE_DEFAULTS: dict[str, list[dict[str, list[str]]]] = {
+DEVICE_DEFAULTS: dict[str, list[dict[Kind, list[str]]]] = {
     "cpu": [
-        {"linear": ["int8_weight_only"], "moe": ["int8_weight_only"]},
-        {"linear": ["int4_weight_only"], "moe": ["int4_weight_only"]},
+        {Kind.LINEAR: ["int8_weight_only"], Kind.MOE: ["int8_weight_only"]},
+        {Kind.LINEAR: ["int4_weight_only"], Kind.MOE: ["int4_weight_only"]},
     ],
     "cuda": [
-        {"linear": ["fp8_per_channel", "int8_weight_only"], "moe": ["mxfp8", "fp8_per_channel", "int8_weight_only"]},
+        {
+            Kind.LINEAR: ["fp8_per_channel", "int8_weight_only"],
+            Kind.MOE: ["mxfp8", "fp8_per_channel", "int8_weight_only"],
+        },
     ],
 }
 # The sizes the oracle is asked about when choosing defaults (its answers depend on them little).
@@ -111,7 +115,7 @@ def check_configs(configs: list[tuple[str, QuantizationConfig]], device: str, mo
 
     from .kernels.oracle import candidates
 
-    kinds = ["linear", "moe"] if is_moe(model_config) else ["linear"]
+    kinds = list(Kind) if is_moe(model_config) else [Kind.LINEAR]
     device_type = torch.device(device).type
     for label, config in configs:
         checks = [(spec, [kind]) for kind in kinds if (spec := getattr(config, kind)) is not None]
@@ -210,7 +214,7 @@ def device_defaults(device: str) -> tuple[list[tuple[str, QuantizationConfig]], 
     from .presets import default_dtype
 
     capability = Capability.detect(device)
-    problems = {"linear": Problem(**LINEAR_PROBLEM), "moe": Problem(**MOE_PROBLEM)}
+    problems = {Kind.LINEAR: Problem(**LINEAR_PROBLEM), Kind.MOE: Problem(**MOE_PROBLEM)}
     runs, backends = [], []
     for per_kind in DEVICE_DEFAULTS[torch.device(device).type]:
         names = {}

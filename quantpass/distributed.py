@@ -2,8 +2,8 @@
 
 The design is docs/distributed.md. In short: a DTensor parameter is quantized as `param.to_local()`
 (a view of this rank's shard: no full weight is ever gathered or allocated), and the graph is first
-normalized so that each sharded layer computes on local tensors (`patterns/sharded.py`,
-`patterns/expert_parallel.py`); the site finders, kernels and weight cache then work unchanged.
+normalized so that each sharded layer computes on local tensors (`passes/normalize_sharded.py`,
+`passes/normalize_expert_parallel.py`); the site finders, kernels and weight cache then work unchanged.
 Scale groups are those of the shard: per-channel and per-tensor scales are per shard (no
 collective at compile time, and at least as accurate as one scale for the whole tensor); a group
 of fixed size must not straddle a shard boundary (`check_shards` raises at compile time).
@@ -60,8 +60,8 @@ def normalize(gm: fx.GraphModule, example_inputs) -> fx.GraphModule:
     if not any(is_dtensor(v) for v in example_inputs) and not _has_collectives(gm.graph):
         return gm
     from .passes.fx_utils import copy_graph_module
-    from .patterns.expert_parallel import normalize_expert_parallel
-    from .patterns.sharded import functional_all_reduce, localize_linears
+    from .passes.normalize_expert_parallel import normalize_expert_parallel
+    from .passes.normalize_sharded import functional_all_reduce, localize_linears
 
     new = copy_graph_module(gm)
     localize_linears(new.graph, example_inputs)
@@ -81,8 +81,7 @@ def adapt_sites(sites: list, example_inputs) -> list:
     adapted = []
     for site in sites:
         if site.skip_reason is None and any(is_dtensor(_meta_value(ref.node)) for ref in site.params):
-            node = getattr(site, "node", None)
-            site.skip_reason = (node.meta.get("quantpass_skip") if node is not None else None) or (
+            site.skip_reason = _localize_skip(site) or (
                 "its weight is a DTensor used as one (not through to_local): quantpass quantizes local shards"
             )
         if isinstance(site, MoESite) and site.skip_reason is None and EP_META in site.topk_ids.meta:
@@ -91,6 +90,16 @@ def adapt_sites(sites: list, example_inputs) -> list:
                 site = ExpertParallelMoESite.from_site(site, *found)
         adapted.append(site)
     return adapted
+
+
+def _localize_skip(site) -> str | None:
+    """Why `localize_linears` left this site's sharded linear alone (it says so on the linear's
+    node), or None; only linear sites have such a node."""
+    from .patterns.linear import LinearSite
+
+    if isinstance(site, LinearSite) and site.node is not None:
+        return site.node.meta.get("quantpass_skip")
+    return None
 
 
 def _meta_value(node):
@@ -127,6 +136,8 @@ def rank_and_world(value) -> tuple[int, int]:
 def check_shards(site, values, spec) -> list[str]:
     """Plan notes for a site's DTensor weights (`rank r/w, local [N, K] of [N, K] (K split)`);
     raises ValueError when a shard boundary would cut one of the weight format's scale groups."""
+    from .patterns.expert_parallel import ExpertParallelMoESite
+
     sharded = [(ref, value) for ref, value in zip(site.params, values) if is_dtensor(value)]
     if not sharded:
         return []
@@ -145,7 +156,7 @@ def check_shards(site, values, spec) -> list[str]:
     if whole or spec.weight.scale2 is not None:
         note += "; scales computed per shard"
     notes = [note]
-    if hasattr(site, "describe"):
+    if isinstance(site, ExpertParallelMoESite):
         notes.append(site.describe(rank, world))
     return notes
 

@@ -8,6 +8,7 @@ import torch
 
 from .kernels import ops
 from .kernels.oracle import Capability, Problem, select
+from .quant_registry.names import Kind
 from .quant_registry.qtensor import QTensor
 from .quant_registry.spec import QuantSpec
 
@@ -20,7 +21,7 @@ def _prepare(weight: QTensor, backend: str) -> QTensor:
     entry = _prepared.get(key)
     if entry is not None and entry[0]() is weight:
         return weight if entry[1] is None else entry[1]
-    prepared = ops.prepare_weight(backend, "linear", weight)
+    prepared = ops.prepare_weight(backend, Kind.LINEAR, weight)
     # identity preparations store None: holding `weight` itself would keep it alive forever
     kept = None if prepared is weight else prepared
     _prepared[key] = (weakref.ref(weight, lambda _, key=key: _prepared.pop(key, None)), kept)
@@ -52,7 +53,8 @@ def linear(
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} features, the weight expects {k}")
     m = x.numel() // k
-    selection = select("linear", spec.weight, spec.activation, Capability.detect(x.device), Problem(n, k, m), backend)
+    capability = Capability.detect(x.device)
+    selection = select(Kind.LINEAR, spec.weight, spec.activation, capability, Problem(n, k, m), backend)
     prepared = _prepare(weight, selection.backend)
     call = ops.linear_call(selection.backend, x.device.type)
     key, activation = ops.key_arg(spec.weight), ops.key_arg(spec.activation)

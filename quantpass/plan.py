@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from .quant_registry.names import Kind
+
 
 @dataclass
 class PlanRow:
@@ -13,7 +15,7 @@ class PlanRow:
     why that choice (or why it was left alone); `rejected` maps backend -> why it couldn't run."""
 
     fqn: str
-    kind: str
+    kind: Kind
     weight: str | None
     activation: str | None
     backend: str | None
@@ -41,7 +43,7 @@ class Plan:
     def summary(self) -> str:
         """e.g. `linear: 28 quantized (fp8_per_block, triton 28) | 2 skipped | moe: 2 quantized (...)`."""
         parts = []
-        for kind in ("linear", "moe"):
+        for kind in Kind:
             rows = [r for r in self.rows if r.kind == kind]
             if not rows:
                 continue

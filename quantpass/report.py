@@ -8,6 +8,7 @@ from .kernels.oracle import CANDIDATES, REFERENCE_CAPABILITIES, kernel_table
 from .measure import Measurement, logits_agreement, speedup
 from .plan import Plan
 from .quant_registry.named_formats import ROLE_NAMES, SHORTHANDS, format_for
+from .quant_registry.names import Kind
 from .quant_registry.spec import QuantizationConfig
 
 
@@ -66,7 +67,7 @@ def config_label(config: QuantizationConfig) -> str:
     linear, moe = (None if s is None else s.name() for s in (config.linear, config.moe))
     if linear == moe:
         return linear or "the checkpoint's formats"
-    return ", ".join(f"{kind} {name}" for kind, name in (("linear", linear), ("moe", moe)) if name)
+    return ", ".join(f"{kind} {name}" for kind, name in ((Kind.LINEAR, linear), (Kind.MOE, moe)) if name)
 
 
 def mib(n: int) -> str:
@@ -75,7 +76,7 @@ def mib(n: int) -> str:
 
 def layers_quantized(plan: Plan) -> str:
     parts = []
-    for kind in ("linear", "moe"):
+    for kind in Kind:
         rows = [r for r in plan.rows if r.kind == kind]
         if rows:
             parts.append(f"{kind} {sum(r.quantized for r in rows)}/{len(rows)}")

@@ -289,7 +289,7 @@ def test_sharded_linears_quantpass_cannot_localize_say_why(fake_world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from quantpass.patterns.sharded import _local_plan
+    from quantpass.passes.normalize_sharded import _local_plan
 
     mesh, mesh_2d = init_device_mesh("cpu", (WORLD,)), init_device_mesh("cpu", (1, WORLD))
     x = distribute_tensor(torch.randn(3, 8), mesh, [Replicate()])

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from quantpass.kernels import cpu, cpu_avx2, cpu_op, native, oracle, reference
+from quantpass.kernels import cpu, cpu_avx2, cpu_op, oracle, reference
+from quantpass.kernels import torch_ops as native
 from quantpass.kernels.ops import key_arg, linear_call, prepare_weight
 from quantpass.kernels.oracle import Capability, Problem
 from quantpass.metrics import sqnr

@@ -1,8 +1,10 @@
-"""Detection does not depend on kernels or on the lowering.
+"""Detection does not depend on kernels or on the lowering, and does not change graphs.
 
 No module of `quantpass/patterns` imports `quantpass.kernels`, or a `quantpass.passes` module other
-than the generic FX helpers; and nothing it imports, transitively, reaches a kernel module (only the
-table of backend names, which the config validates against and which imports no kernel).
+than the generic FX helpers; and nothing it imports, transitively, reaches a kernel module (the
+config validates backend names against `quant_registry/names.py`, not the kernel registry). No
+module of `quantpass/patterns` calls an FX method that edits or builds a graph, or assigns a node's
+fields: graph rewrites (the sharded-model normalizations included) are passes.
 
 Read statically: every `import` statement a module runs (top level or inside a function, where the
 lazy imports sit; not `if TYPE_CHECKING:` blocks) resolved to the quantpass module it names, then
@@ -22,7 +24,14 @@ PACKAGE = Path(quantpass.__file__).resolve().parent
 DETECTION = "quantpass.patterns"
 FORBIDDEN = ("quantpass.kernels", "quantpass.passes")
 ALLOWED = {"quantpass.passes.fx_utils"}  # graph helpers with no quantpass import (checked below)
-NAME_TABLES = {"quantpass.kernels.registry"}  # reached through the config (quant_registry/spec.py)
+# FX methods that change a graph or build one, called by name (`graph.erase_node(n)`, `n.update_arg(...)`);
+# reading methods (`lint`, `find_nodes`, `format_node`) are not here.
+GRAPH_EDITS = frozenset({
+    "erase_node", "replace_all_uses_with", "replace_input_with", "inserting_before", "inserting_after",
+    "create_node", "call_function", "call_method", "call_module", "get_attr", "placeholder", "output",
+    "node_copy", "graph_copy", "eliminate_dead_code", "recompile", "update_arg", "update_kwarg", "insert_arg",
+})  # fmt: skip
+NODE_FIELDS = frozenset({"args", "kwargs", "target", "op", "name"})  # `node.args = ...` edits the graph too
 
 
 def _path(module: str) -> Path | None:
@@ -83,6 +92,26 @@ def reached(start: str) -> dict[str, list[str]]:
     return chains
 
 
+def graph_edits(module: str) -> list[str]:
+    """`line: code` for each call of a `GRAPH_EDITS` method and each assignment to a `NODE_FIELDS`
+    attribute in `module`."""
+    return edits_in(_path(module).read_text())
+
+
+def edits_in(source: str) -> list[str]:
+    """The same for Python `source`, read by AST: the method or field name, whatever it is on."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in GRAPH_EDITS:
+            found.append(f"{node.lineno}: {ast.unparse(node.func)}(...)")
+        elif isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            for part in (p for target in targets for p in ast.walk(target)):
+                if isinstance(part, ast.Attribute) and isinstance(part.ctx, ast.Store) and part.attr in NODE_FIELDS:
+                    found.append(f"{node.lineno}: {ast.unparse(part)} = ...")
+    return found
+
+
 def _forbidden(name: str) -> bool:
     return name not in ALLOWED and any(name == f or name.startswith(f + ".") for f in FORBIDDEN)
 
@@ -99,10 +128,25 @@ def test_detection_imports_no_kernels_and_no_lowering(module):
     direct = {name for name in imports(module) if _forbidden(name)}
     assert not direct, f"{module} imports {sorted(direct)}: detection must not depend on kernels or the lowering"
     chains = reached(module)
-    kernels = {
-        n: " -> ".join(c) for n, c in chains.items() if n.startswith("quantpass.kernels.") and n not in NAME_TABLES
-    }
+    kernels = {n: " -> ".join(c) for n, c in chains.items() if n.startswith("quantpass.kernels.")}
     assert not kernels, f"{module} reaches kernel modules: " + "; ".join(kernels.values())
+
+
+@pytest.mark.parametrize("module", DETECTION_MODULES)
+def test_detection_does_not_edit_graphs(module):
+    edits = graph_edits(module)
+    assert not edits, f"{module} edits FX graphs ({'; '.join(edits)}): move the rewrite to quantpass/passes"
+
+
+def test_the_graph_edit_scan_sees_each_spelling():
+    """The check can fail: the passes that rewrite sharded graphs, and the FX helpers, are found editing."""
+    sharded = " ".join(graph_edits("quantpass.passes.normalize_sharded"))
+    for method in ("erase_node", "replace_all_uses_with", "replace_input_with", "inserting_before", "call_function"):
+        assert f".{method}(...)" in sharded, (method, sharded)
+    assert ".update_arg(...)" in " ".join(graph_edits("quantpass.passes.normalize_expert_parallel"))
+    assert ".node_copy(...)" in " ".join(graph_edits("quantpass.passes.fx_utils"))  # building a graph counts
+    source = "n.args = (x,)\nn.meta['seen'] = True\nsite.nodes.append(n)\nn.kwargs |= {}\ng.lint()\n"
+    assert edits_in(source) == ["1: n.args = ...", "4: n.kwargs = ..."]  # meta, lists and lint are reading
 
 
 def test_allowed_helpers_import_no_quantpass_module():
@@ -117,5 +161,6 @@ def test_the_scan_sees_imports_of_each_spelling():
     assert "quantpass.patterns.attention" in imports("quantpass.patterns.linear")  # inside a function
     chain = reached("quantpass.passes.lower")["quantpass.kernels.oracle"]
     assert chain[0] == "quantpass.passes.lower" and chain[-1] == "quantpass.kernels.oracle"
-    assert "quantpass.kernels.registry" in reached("quantpass.patterns.moe")  # through the config: NAME_TABLES
+    assert "quantpass.quant_registry.spec" in reached("quantpass.patterns.moe")  # the config is followed...
+    assert "quantpass.quant_registry.names" in imports("quantpass.quant_registry.spec")  # ...its backend names
     assert "quantpass.kernels.oracle" not in imports("quantpass.kernels.registry")  # under TYPE_CHECKING only

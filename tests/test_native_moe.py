@@ -1,4 +1,5 @@
-"""`native_moe.fused_moe` (dequantize to bf16 + torch._grouped_mm) against the reference loop."""
+"""The native backend's MoE, `torch_ops_moe.fused_moe` (dequantize to bf16 + torch._grouped_mm), against the
+reference loop."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from quantpass.kernels import native_moe, reference
+from quantpass.kernels import reference
+from quantpass.kernels import torch_ops_moe as native_moe
 from quantpass.kernels.oracle import Capability, Problem
 from quantpass.metrics import sqnr
 from quantpass.moe_problem import GatedActivation, MoEProblem
@@ -62,7 +64,7 @@ def test_native_moe_supports():
     weight = QuantSpec.from_name("int8_weight_only").weight
     assert native_moe.supports_moe(Capability("cuda", 90), weight, None, problem)[0]
     ok, why = native_moe.supports_moe(Capability("cpu"), weight, None, problem)
-    assert not ok and "slower than the reference" in why  # measured: see native_moe's docstring
+    assert not ok and "slower than the reference" in why  # measured: see torch_ops_moe's docstring
     ok, why = native_moe.supports_moe(Capability("cuda", 75), weight, None, problem)
     assert not ok and "sm80" in why
     ok, why = native_moe.supports_moe(Capability("cuda", 90), weight, None, Problem(n=30, k=64, experts=4, topk=2))

@@ -275,7 +275,7 @@ def test_plans_are_cached_per_weight_and_tuned_configs_launch_directly(monkeypat
     for _ in range(3):
         gemm.quantized_matmul(x, qw, split_k=1)
     assert len(calls) == 1, "the plan is cached per weight"
-    assert [kernel for kernel, _ in launched] == [Autotuner, gemm._gemm_kernel, gemm._gemm_kernel]
+    assert [kernel for kernel, _ in launched] == [Autotuner, gemm.gemm_kernel, gemm.gemm_kernel]
     assert launched[1][1]["BLOCK_N"] == 32 and launched[1][1]["num_warps"] == 4
     gemm.quantized_matmul(x, qw, torch.randn(64, dtype=torch.bfloat16), split_k=1)  # new options: new plan
     assert len(calls) == 2
@@ -340,7 +340,7 @@ def test_both_backends_follow_one_fp8_accumulation_policy(monkeypatch):
     """`scheme.FP8_ACCUMULATION` is the policy: native passes it to torch._scaled_mm (here on CPU,
     where the argument is accepted and ignored), Triton's sm90 dot promotes every FP8_PROMOTE_K
     (tests/test_triton_aot.py reads the compiled kernel)."""
-    from quantpass.kernels import native
+    from quantpass.kernels import torch_ops as native
     from quantpass.kernels.triton import scheme
 
     assert scheme.FP8_ACCUMULATION == "precise" and native.USE_FAST_ACCUM is False

@@ -25,6 +25,7 @@ import torch
 import torch.nn as nn
 
 from ..quant_registry.formats import dequantize, quantize
+from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantizationConfig
 from ..weight_cache import WEIGHTS, return_freed_memory
@@ -161,7 +162,7 @@ class _Loader:
         return to_qtensor(algo, tensors, shape, dtype, param_name)
 
     # -- one parameter -------------------------------------------------------------------------
-    def attach(self, module: nn.Module, name: str, fqn: str, kind: str, value, algo: Algo | None, transposed=False):
+    def attach(self, module: nn.Module, name: str, fqn: str, kind: Kind, value, algo: Algo | None, transposed=False):
         """Set `module.name` from `value` (a QTensor from the checkpoint, or a full-precision tensor)."""
         old = module._parameters[name]
         if algo is not None:
@@ -247,7 +248,7 @@ class _Loader:
             value = self.read(name)
         else:
             return  # tied to another parameter (lm_head): tie_weights fills it
-        self.attach(module, "weight", fqn, "linear", value, algo)
+        self.attach(module, "weight", fqn, Kind.LINEAR, value, algo)
 
     def load_experts(self, fqn: str, module: nn.Module) -> None:
         """transformers' fused experts: `gate_up_proj` ([E, 2I, H], or stored `[E, H, 2I]`: transposed)
@@ -274,7 +275,7 @@ class _Loader:
                 parts = names[:2] if param_name == "gate_up_proj" else names[2:]
                 algo = self.algo(f"{fqn}.0.{parts[0]}", f"{fqn}.0.{parts[0]}.weight")
                 value = self._per_expert(fqn, parts, algo, experts, rows, cols, param.dtype, transposed)
-            self.attach(module, param_name, fqn, "moe", value, algo, transposed)
+            self.attach(module, param_name, fqn, Kind.MOE, value, algo, transposed)
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             if getattr(module, name, None) is not None and f"{fqn}.{name}" in self.entries:
                 module._parameters[name] = nn.Parameter(self.read(f"{fqn}.{name}"), requires_grad=False)

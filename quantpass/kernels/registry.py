@@ -1,16 +1,19 @@
-"""The backends: the contract each one implements (`Backend`) and the one registry of their names.
+"""The backends: the contract each one implements (`Backend`) and the module of each backend name.
 
 A backend is a module that provides every member of `Backend`; the defaults below (canonical
 layout, no graph-visible op) are bound by name in the modules that need nothing of their own, so
 each module states its whole contract. Modules load on first use: no module here imports triton or
-flashinfer at import time (docs/design.md §5). Add a backend: a module, one `BACKEND_MODULES` row,
-and its rows in the oracle's candidate tables (docs/design.md §10).
+flashinfer at import time (docs/design.md §5). Add a backend: a module, its `BackendName` member
+(quant_registry/names.py), one `BACKEND_MODULES` row, and its rows in the oracle's candidate tables
+(docs/design.md §10).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+from ..quant_registry.names import BACKEND_NAMES, BackendName
 
 if TYPE_CHECKING:
     import torch
@@ -20,16 +23,20 @@ if TYPE_CHECKING:
     from ..quant_registry.qtensor import QTensor
     from .oracle import Capability, Problem
 
-# The only list of backend names (config validation, the oracle, the graph ops all read it).
+# Each backend's module; the names are `BackendName`'s (quant_registry/names.py), the one list of them.
 BACKEND_MODULES = {
-    "reference": "quantpass.kernels.reference",
-    "native": "quantpass.kernels.native",
-    "triton": "quantpass.kernels.triton",
-    "cpu": "quantpass.kernels.cpu",
-    "flashinfer": "quantpass.kernels.flashinfer",
+    BackendName.REFERENCE: "quantpass.kernels.reference",
+    BackendName.NATIVE: "quantpass.kernels.torch_ops",
+    BackendName.TRITON: "quantpass.kernels.triton",
+    BackendName.CPU: "quantpass.kernels.cpu",
+    BackendName.FLASHINFER: "quantpass.kernels.flashinfer",
 }
+if set(BACKEND_MODULES) != set(BackendName):
+    raise ImportError(
+        f"kernels/registry.py maps backends {sorted(BACKEND_MODULES)}; quant_registry/names.py's BackendName "
+        f"names {sorted(BackendName)}: each backend name needs exactly one module"
+    )
 BACKENDS = tuple(sorted(BACKEND_MODULES))
-BACKEND_NAMES = ("auto", *BACKENDS)  # what a config's `backend` may say
 
 
 @runtime_checkable

@@ -1,4 +1,5 @@
-"""Small FX helpers: copy a graph module, add placeholders, find the fake mode, count ops."""
+"""Small FX helpers: copy a graph module, add placeholders, find the fake mode, count ops, extract
+nodes as a standalone module, erase a dead region."""
 
 from __future__ import annotations
 
@@ -127,3 +128,40 @@ def eliminate_dead_code(graph: fx.Graph) -> None:
     `copy_`/`scatter_`/`setitem` still changes a tensor someone reads later (DeepSeek-V3's MLA
     key buffer and router group mask: plain DCE took its logits cosine to 0.69)."""
     graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated(n) is not None)
+
+
+def extract(nodes: list[fx.Node], inputs: list[fx.Node], output: fx.Node, sizes=None):
+    """`nodes` (in graph order) as a standalone GraphModule taking `inputs`, returning `output`.
+
+    `sizes` maps outside SymInt nodes to (input index, dim) — dim None for `numel()` — so a region
+    captured with dynamic shapes runs on any token count.
+    """
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {node: graph.placeholder(f"input_{i}") for i, node in enumerate(inputs)}
+    for node, (index, dim) in (sizes or {}).items():
+        args = (env[inputs[index]],) if dim is None else (env[inputs[index]], dim)
+        env[node] = graph.call_method("numel" if dim is None else "size", args)
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda n: env[n])
+    graph.output(env[output])
+    return fx.GraphModule(torch.nn.Module(), graph)
+
+
+def erase_dead(graph: fx.Graph, region: set[fx.Node]) -> int:
+    """Erase the region's nodes nothing outside needs, in-place ops included (DCE keeps those).
+
+    A node stays if a user outside the erased set reads it; an in-place op stays if the tensor it
+    writes into stays (someone still reads the mutated value).
+    """
+    dead = {n for n in region if n.graph is graph}
+
+    def needed(node):
+        written = mutated(node)
+        return any(u not in dead for u in node.users) or (written is not None and written not in dead)
+
+    while keep := {n for n in dead if needed(n)}:
+        dead -= keep
+    for node in reversed(list(graph.nodes)):
+        if node in dead:
+            graph.erase_node(node)
+    return len(dead)

@@ -7,12 +7,13 @@ import torch.nn.functional as F
 
 from ..kernels import ops
 from ..patterns.linear import LinearSite
+from ..quant_registry.names import Kind
 from .lower_site import SiteLowering
 
 
 class LinearLowering(SiteLowering):
     def prepare(self, site: LinearSite, weights, spec, backend):
-        return [ops.prepare_weight(backend, "linear", weights[0])]
+        return [ops.prepare_weight(backend, Kind.LINEAR, weights[0])]
 
     def op_args(self, site: LinearSite, x, tensors, bias, spec, backend) -> tuple:
         """`quantpass::linear`'s arguments: `x`, the weight's tensors, bias, keys, backend, N."""

@@ -10,8 +10,8 @@ from ..kernels import ops
 from ..patterns.expert_parallel import ExpertParallelMoESite, expert_map
 from ..patterns.fx_match import value
 from ..patterns.moe import MoESite
-from ..patterns.moe_subgraph import erase_dead
 from ..quant_registry.formats import concat_rows
+from .fx_utils import erase_dead
 from .lower_site import SiteLowering
 
 SAMPLE_TOKENS = 16  # tokens in `sample_inputs` when the graph's token count is dynamic

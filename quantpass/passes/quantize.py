@@ -28,6 +28,7 @@ from ..patterns.site import ParamRef, Site, param_refs
 from ..plan import Plan, PlanRow
 from ..quant_registry.formats import dequantize, quantize
 from ..quant_registry.keys import needs_input_scale
+from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantizationConfig, QuantSpec
 from ..weight_cache import WEIGHTS
@@ -94,7 +95,7 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
         moe_sites, claimed, expert_linears = matches.sites, matches.claimed, matches.expert_linears
         moe_sites = [*moe_sites, *matches.expert_gemms]  # unproven experts: quantized GEMM by GEMM
         rows = [
-            PlanRow(fqn, "moe", None, None, None, f"left to the linear pass: {why}") for fqn, why in matches.unproven
+            PlanRow(fqn, Kind.MOE, None, None, None, f"left to the linear pass: {why}") for fqn, why in matches.unproven
         ]
     sites = [*moe_sites, *find_linear_sites(graph, example_inputs, claimed, expert_linears)]
     return adapt_sites(sites, example_inputs), rows

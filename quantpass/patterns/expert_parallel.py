@@ -8,11 +8,12 @@ ones and parks the other ranks' routes on a sentinel id (E_l) with router weight
     local = torch.where(ids // E_l != rank, E_l, ids % E_l);  weights = weights.masked_fill(ids // E_l != rank, 0)
 
 and, inside the experts, masks for the sentinel rows (`ids_g >= E_l`: `masked_fill`, `clamp_`). The
-outputs are then summed over ranks by an all-reduce. `normalize_expert_parallel` parks those routes
-on the last local expert instead (still with weight 0: same output), which makes every sentinel mask
-provably empty: the masks go and the experts are the single-device form the MoE finder proves.
-`ExpertParallelMoESite` then runs that site from the *global* ids with an `expert_map` (global id ->
-local index, -1 elsewhere: docs/distributed.md), so other ranks' routes cost nothing.
+outputs are then summed over ranks by an all-reduce. This module matches the prologue (`prologue`)
+and the masks (`sentinel_edits`); the pass `passes/normalize_expert_parallel.py` then parks those
+routes on the last local expert instead (still with weight 0: same output), which makes every
+sentinel mask provably empty: the masks go and the experts are the single-device form the MoE finder
+proves. `ExpertParallelMoESite` then runs that site from the *global* ids with an `expert_map`
+(global id -> local index, -1 elsewhere: docs/distributed.md), so other ranks' routes cost nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from .moe import MoESite
 from .moe_interpreter import ids_root
 
 EP_META = "quantpass_expert_parallel"  # on the normalized `where`: its LocalExperts
+SENTINEL_META = "quantpass_sentinel"  # on each sentinel mask `sentinel_edits` found
 MASK_VIEWS = {"unsqueeze", "expand", "view", "reshape", "expand_as"}
 
 
@@ -41,7 +43,7 @@ def global_ids(where: fx.Node) -> fx.Node:
     return where.args[2].args[0]
 
 
-def _prologue(where: fx.Node) -> LocalExperts | None:
+def prologue(where: fx.Node) -> LocalExperts | None:
     """`torch.where(ids // E_l != r, E_l, ids % E_l)` -> (E_l, r), else None."""
     if len(where.args) != 3 or where.kwargs:
         return None
@@ -57,38 +59,14 @@ def _prologue(where: fx.Node) -> LocalExperts | None:
     return LocalExperts(sentinel, condition.args[1])
 
 
-def normalize_expert_parallel(graph: fx.Graph) -> int:
-    """Rewrite each recognised prologue and drop its sentinel masks (module docstring); a prologue
-    whose masks feed anything else is left as it is. Returns how many were rewritten."""
-    count = 0
-    for where in list(graph.find_nodes(op="call_function", target=torch.where)):
-        experts = _prologue(where)
-        if experts is None:
-            continue
-        edits = _sentinel_edits(graph, where, experts.local)
-        if edits is None:
-            continue
-        where.update_arg(1, experts.local - 1)
-        where.meta[EP_META] = experts
-        for node, replacement in edits:
-            if replacement is not None:
-                node.replace_all_uses_with(replacement)
-        for node, _ in reversed(edits):
-            graph.erase_node(node)
-        for node in reversed(list(graph.nodes)):  # the masks themselves, now unread
-            if node.meta.get("quantpass_sentinel") and not node.users:
-                graph.erase_node(node)
-        count += 1
-    return count
-
-
 def _from_normalized(node, where: fx.Node) -> bool:
     return ids_root(node) is where
 
 
-def _sentinel_edits(graph: fx.Graph, where: fx.Node, local: int) -> list[tuple[fx.Node, fx.Node | None]] | None:
-    """(node to remove, what its readers read instead or None) for every sentinel mask and clamp
-    fed by `where`, in graph order; None when a mask reaches something else."""
+def sentinel_edits(graph: fx.Graph, where: fx.Node, local: int) -> list[tuple[fx.Node, fx.Node | None]] | None:
+    """(node to remove, what its readers read instead or None) for every masked fill and clamp of
+    the sentinel rows fed by `where`, in graph order (the masks themselves get `SENTINEL_META`);
+    None when a mask reaches something else."""
     edits = []
     for node in graph.nodes:
         name = op_name(node)
@@ -108,7 +86,7 @@ def _sentinel_edits(graph: fx.Graph, where: fx.Node, local: int) -> list[tuple[f
                     else:
                         return None
             for mask in masks:
-                mask.meta["quantpass_sentinel"] = True
+                mask.meta[SENTINEL_META] = True
         elif name in ("clamp", "clamp_") and _from_normalized(node.args[0], where):
             bounds = dict(zip(("min", "max"), node.args[1:])) | dict(node.kwargs)
             low, high = bounds.get("min"), bounds.get("max")
@@ -140,6 +118,7 @@ class ExpertParallelMoESite(MoESite):
 
     @classmethod
     def from_site(cls, site: MoESite, global_experts: int, first_expert: int) -> ExpertParallelMoESite:
+        # `dataclasses.replace` keeps the class: this builds the subclass from the site's field values
         moved = {f.name: getattr(site, f.name) for f in fields(site)}
         moved.update(topk_ids=global_ids(site.topk_ids), local_ids=site.topk_ids)
         return cls(**moved, global_experts=global_experts, first_expert=first_expert)

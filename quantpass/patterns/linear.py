@@ -16,6 +16,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..problem import Problem
+from ..quant_registry.names import Kind
 from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument
 from .site import ParamRef, Site, param_refs
 
@@ -27,7 +28,7 @@ ADDMM_TARGETS = {torch.addmm}
 class LinearSite(Site):
     """A linear-like node: `node` computes `x @ W.T (+ bias)`; the rewrite replaces its value."""
 
-    kind = "linear"
+    kind = Kind.LINEAR
     node: fx.Node | None = None  # the node whose value the quantized op replaces
     x: fx.Node | None = None
     bias: fx.Node | None = None
@@ -125,7 +126,7 @@ def find_linear_sites(graph: fx.Graph, example_inputs, claimed=frozenset(), expe
             fqn = _module_fqn(node, fqn)  # a shared (tied) weight: name the module that uses it here
         site = LinearSite(fqn, [ref], Problem(int(n), int(k)), node=node, x=x, bias=bias)
         if weight in expert_linears:
-            site.config_kind = "moe"
+            site.config_kind = Kind.MOE
             site.notes.append(f"expert of {expert_linears[weight]} (not a provable fused MoE): moe spec")
         if weight in embedded:
             site.default_ignore = "weight tied to an embedding"

@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from ..passes.fx_utils import extract
 from ..problem import Problem
+from ..quant_registry.names import Kind
 from .fx_match import argument, op_name, shape, value
 from .moe_expert_gemms import ExpertGemmSite, ExpertMatmul, expert_gemm_site
 from .moe_interpreter import hidden_root, ids_root, prove
 from .moe_modulelist import find_module_list_experts
 from .moe_rules import DOWN, UP, NotProven, same, sym
-from .moe_subgraph import collect_region, extract
+from .moe_subgraph import collect_region
 from .site import ParamRef, Site, param_refs
 
 
@@ -44,7 +46,7 @@ class MoESite(Site):
     """One experts region. `params` = [w13, w2], or [w1 (gate), w3 (up), w2] when gate and up are
     separate parameters (gather-einsum style); the lowering prepares [w13, w2] either way."""
 
-    kind = "moe"
+    kind = Kind.MOE
     hidden: fx.Node | None = None  # [T, H] tokens entering the experts
     topk_weights: fx.Node | None = None  # [T, k]
     topk_ids: fx.Node | None = None  # [T, k]

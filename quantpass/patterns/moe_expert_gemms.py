@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from ..passes.fx_utils import mutated
 from ..problem import Problem
+from ..quant_registry.names import Kind
 from .fx_match import op_name, value
 from .site import ParamRef, Site
 
@@ -35,7 +36,7 @@ class ExpertMatmul:
 class ExpertGemmSite(Site):
     """The 3-D weights of one unproven experts region; `params` in first-use order."""
 
-    kind = "moe"
+    kind = Kind.MOE
     why: str = ""  # why the region is not a provable fused MoE
     forms: tuple[str, ...] = ()  # the graph's expert matmul ops (grouped_mm, bmm, einsum)
     last: fx.Node | None = None  # the last node that reads these weights (an expert matmul)

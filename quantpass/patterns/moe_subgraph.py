@@ -1,6 +1,6 @@
-"""The experts subgraph in FX: a region's node set, extracting it as a standalone `GraphModule`, and
-erasing it after a rewrite.
-"""
+"""The experts subgraph in FX: a region's node set. Building a standalone `GraphModule` from it and
+erasing it after the rewrite make and change graphs, which detection does not: `passes/fx_utils.py`'s
+`extract` and `erase_dead`."""
 
 from __future__ import annotations
 
@@ -40,46 +40,3 @@ def collect_region(output: fx.Node, inputs: set[fx.Node], allowed: set[fx.Node])
         if written is not None and written not in region:
             raise ValueError(f"`{node.format_node()}` writes into {written.name}, outside the experts")
     return region, sizes
-
-
-# ----------------------------------------------------------------------------- extraction
-
-
-def extract(nodes: list[fx.Node], inputs: list[fx.Node], output: fx.Node, sizes=None):
-    """`nodes` (in graph order) as a standalone GraphModule taking `inputs`, returning `output`.
-
-    `sizes` maps outside SymInt nodes to (input index, dim) — dim None for `numel()` — so a region
-    captured with dynamic shapes runs on any token count.
-    """
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {node: graph.placeholder(f"input_{i}") for i, node in enumerate(inputs)}
-    for node, (index, dim) in (sizes or {}).items():
-        args = (env[inputs[index]],) if dim is None else (env[inputs[index]], dim)
-        env[node] = graph.call_method("numel" if dim is None else "size", args)
-    for node in nodes:
-        env[node] = graph.node_copy(node, lambda n: env[n])
-    graph.output(env[output])
-    return fx.GraphModule(torch.nn.Module(), graph)
-
-
-# ----------------------------------------------------------------------------- rewrite support
-
-
-def erase_dead(graph: fx.Graph, region: set[fx.Node]) -> int:
-    """Erase the region's nodes nothing outside needs, in-place ops included (DCE keeps those).
-
-    A node stays if a user outside the erased set reads it; an in-place op stays if the tensor it
-    writes into stays (someone still reads the mutated value).
-    """
-    dead = {n for n in region if n.graph is graph}
-
-    def needed(node):
-        written = mutated(node)
-        return any(u not in dead for u in node.users) or (written is not None and written not in dead)
-
-    while keep := {n for n in dead if needed(n)}:
-        dead -= keep
-    for node in reversed(list(graph.nodes)):
-        if node in dead:
-            graph.erase_node(node)
-    return len(dead)

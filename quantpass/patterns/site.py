@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from ..distributed import is_dtensor, local_tensor
 from ..problem import Problem
+from ..quant_registry.names import Kind
 
 
 @dataclass
@@ -43,19 +44,19 @@ class ParamRef:
 
 @dataclass
 class Site:
-    """One matched layer: `kind` ("linear" | "moe"), its FQN, the parameters it quantizes, its sizes.
+    """One matched layer: `kind` (a `Kind`: linear or moe), its FQN, the parameters it quantizes, its sizes.
 
     `config_kind` is the config kind whose spec applies (the `kind` itself unless a matcher says
     otherwise: an unproven MoE's per-expert linears take the "moe" spec); `default_ignore` says why
     the defaults leave the site alone (an output head, a tied embedding, an MoE router)."""
 
-    kind: ClassVar[str]
+    kind: ClassVar[Kind]
     fqn: str
     params: list[ParamRef]
     problem: Problem
     skip_reason: str | None = None  # found, but left alone: why (shown in the plan)
     notes: list[str] = field(default_factory=list)  # extra plan notes (e.g. "bias fused")
-    config_kind: str = ""  # "" = `kind`
+    config_kind: Kind | str = ""  # "" = `kind`
     default_ignore: str | None = None
 
     def __post_init__(self) -> None:

@@ -21,4 +21,19 @@ class Kind(StrEnum):
     MOE = "moe"
 
 
-__all__ = ["Kind", "StrEnum"]
+class BackendName(StrEnum):
+    """A kernel backend: the one list of their names. `kernels/registry.py` maps each to its module
+    and checks at import that it maps exactly these; configs validate against them without
+    importing any kernel module."""
+
+    REFERENCE = "reference"
+    NATIVE = "native"
+    TRITON = "triton"
+    CPU = "cpu"
+    FLASHINFER = "flashinfer"
+
+
+BACKEND_NAMES = ("auto", *sorted(BackendName))  # what a config's `backend` may say ("auto": the oracle picks)
+
+
+__all__ = ["BACKEND_NAMES", "BackendName", "Kind", "StrEnum"]

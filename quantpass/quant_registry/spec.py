@@ -12,10 +12,9 @@ import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 
-from ..kernels.registry import BACKEND_NAMES  # names only: imports no kernel
 from .keys import KEYS, STATIC_ACTIVATION_KEYS, QuantKey
 from .named_formats import DEFAULT_ACTIVATION, ROLE_NAMES, SHORTHANDS  # views of the one format table
-from .names import Kind
+from .names import BACKEND_NAMES, Kind
 
 KINDS = tuple(Kind)
 ROLES = ("weight", "activation")

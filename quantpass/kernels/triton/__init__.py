@@ -1,8 +1,9 @@
 """The `triton` backend: our Triton kernels for quantized linear and fused-MoE sites.
 
-Files: `quant.py` (activation quantization), `gemm.py` (one GEMM kernel family, dense or routed),
-`scheme.py` (key pair -> kernel flags), `moe_align.py` (token sorting), `moe.py` (fused MoE),
-`tuning.py` + `configs/*.json` (launch configs), `elements.py` (shared element encodings).
+Files: `quant.py` (activation quantization), `gemm_kernel.py` (one GEMM kernel family, dense or
+routed), `gemm.py` (its host side: plans, configs, launch), `scheme.py` (key pair -> kernel flags),
+`moe_align.py` (token sorting), `moe.py` (fused MoE), `tuning.py` + `configs/*.json` (launch
+configs), `elements.py` (shared element encodings).
 
 Where it runs (`supports`): CUDA SM80+, with FP8 e4m3 data (FP8 and MXFP8 operands, NVFP4's
 e4m3 scales) on SM89+ since Triton has no e4m3 type below; MX pairs use `tl.dot_scaled`, native on

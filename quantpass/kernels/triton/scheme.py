@@ -57,7 +57,7 @@ def constexpr_flags(**flags) -> dict:
 
 @dataclass(frozen=True)
 class GemmScheme:
-    """The constexpr flags of `_gemm_kernel` for one operand-format pair.
+    """The constexpr flags of `gemm_kernel.gemm_kernel` for one operand-format pair.
 
     a_format  FLOAT | FP8 | INT8
     a_scale   NONE | ROW (per-token, or per-tensor through a zero stride) | GROUP (1 x a_group_k) | MX

@@ -1,4 +1,5 @@
-"""The `native` backend: quantized linears as plain torch ops that Inductor sees and fuses.
+"""The `native` backend (this module: torch ops): quantized linears as plain torch ops that Inductor
+sees and fuses; its MoE is `torch_ops_moe.py`.
 
 Nothing here is a custom op. Activation quantization is `formats.quantize` itself (pointwise ops and
 row reductions, no `.item()`, no data-dependent branch; it traces under AOTAutograd with a dynamic M),
@@ -46,7 +47,7 @@ from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from . import registry
 from .flashinfer_layout import swizzle_128x4
-from .native_moe import fused_moe, supports_moe
+from .torch_ops_moe import fused_moe, supports_moe
 from .triton.scheme import FP8_ACCUMULATION
 
 __all__ = ["DEVICES", "fused_moe", "graph_linear_op", "linear", "linear_graph", "supports"]

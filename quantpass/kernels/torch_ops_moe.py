@@ -1,4 +1,4 @@
-"""`native` MoE: the experts as plain torch ops around `torch._grouped_mm`, Inductor-visible.
+"""The `native` backend's MoE: the experts as plain torch ops around `torch._grouped_mm`, Inductor-visible.
 
 Weights are dequantized to bf16 (`torch._grouped_mm` takes only bf16 under compile and on CPU; it
 wants int32 offsets and leaves rows past the last offset uninitialised), token rows are sorted by

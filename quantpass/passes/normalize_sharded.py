@@ -1,4 +1,5 @@
-"""Tensor-parallel graphs, normalized to the local computations the site finders match.
+"""Tensor-parallel graphs, rewritten into the local computations the site finders match (a pass
+that runs before detection: `distributed.normalize`).
 
 A sharded linear reaches quantpass spelled one of two ways (docs/distributed.md):
 
@@ -23,7 +24,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..distributed import is_dtensor
-from .fx_match import LINEAR_TARGETS, op_name, value
+from ..patterns.fx_match import LINEAR_TARGETS, op_name, value
 
 # Ops whose result may share storage with their first operand (casts to the same dtype included).
 MAY_ALIAS = {"to", "type", "float", "view", "view_as", "reshape", "contiguous", "flatten", "unsqueeze", "squeeze",
