@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from .fx_match import is_cast, op_name, shape, value
 from .moe_activation import MatchedActivation
-from .moe_rules import DOWN, LAZY_RULES, RULES, UP, NotProven, Projection, Tag, same
+from .moe_rules import DOWN, LAZY_RULES, RULES, UP, NotProven, Projection, RowOrder, Tag, TagKind, same
 
 
 @dataclass
@@ -51,9 +51,12 @@ class Interpreter:
         self.tokens, self.hidden_size = shape(hidden)
         self.topk = int(shape(topk_ids)[1])
         self.experts = experts
-        self.tags: dict[fx.Node, Tag] = {hidden: Tag("data", "t"), topk_ids: Tag("expert", "t,k")}
+        self.tags: dict[fx.Node, Tag] = {
+            hidden: Tag(TagKind.DATA, RowOrder.T),
+            topk_ids: Tag(TagKind.EXPERT, RowOrder.T_K),
+        }
         if topk_weights is not None:
-            self.tags[topk_weights] = Tag("router", "t,k")
+            self.tags[topk_weights] = Tag(TagKind.ROUTER, RowOrder.T_K)
         self.projections: list[Projection] = []
         self.biases: dict[int, fx.Node] = {}
         self.middle: set[fx.Node] = set()
@@ -69,7 +72,7 @@ class Interpreter:
         if node in self.params:  # expert weights [E, ., .] and biases [E, N], tagged on first use
             dims = shape(node)
             if dims and dims[0] == self.experts and len(dims) in (2, 3):
-                return Tag("weight" if len(dims) == 3 else "bias", param=node)
+                return Tag(TagKind.WEIGHT if len(dims) == 3 else TagKind.BIAS, param=node)
         lazy = LAZY_RULES.get(op_name(node))  # nodes not reached forward: no tagged inputs
         if lazy is not None and (tag := lazy(self, node)) is not None:
             self.tags[node] = tag
@@ -118,8 +121,8 @@ class Interpreter:
     def _is_output(self, node: fx.Node, tag: Tag) -> bool:
         dims = shape(node)
         return (
-            tag.kind == "data"
-            and tag.order == "t"
+            tag.kind == TagKind.DATA
+            and tag.order == RowOrder.T
             and tag.stage == DOWN
             and tag.weighted
             and dims is not None

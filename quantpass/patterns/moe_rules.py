@@ -1,7 +1,7 @@
 """The rules of the MoE interpreter (`moe_interpreter`): one per op, over `Tag`s of FX nodes.
 
-Every value inside an experts region gets a `Tag`: what it holds (token data, expert ids, router
-weights, a sort permutation, an expert weight, ...) and the order of its rows: "t" one row per
+Every value inside an experts region gets a `Tag`: what it holds (`TagKind`: token data, expert ids,
+router weights, a sort permutation, an expert weight, ...) and the order of its rows (`RowOrder`): "t" one row per
 token `[T, ...]`, "t,k" `[T, k, ...]`, "tk" `[T*k, ...]` token-major, "sorted" `[T*k, ...]` in the
 order of one `sort` of the expert ids. A rule `(interpreter, node) -> Tag | None` says what an op
 makes of its inputs' tags, or refuses (None: the node is not part of the region). Rules check
@@ -20,13 +20,43 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..quant_registry.names import StrEnum
 from .fx_match import argument, is_cast, op_name, shape, value
 from .moe_activation import NotAnActivation, identify_activation
 
 if TYPE_CHECKING:
     from .moe_interpreter import Interpreter
 
-ROW_DIMS = {"t": 1, "tk": 1, "sorted": 1, "t,k": 2}
+
+class TagKind(StrEnum):
+    """What a tagged value holds."""
+
+    DATA = "data"  # token activations
+    ROUTER = "router"  # router (top-k) weights
+    EXPERT = "expert"  # expert ids
+    SORT = "sort"  # the sort of the expert ids: (sorted ids, permutation)
+    SLOT = "slot"  # the sort's permutation: the [T*k] slot each sorted row comes from
+    TOKEN = "token"  # permutation // k: the token of each sorted row
+    SCRATCH = "scratch"  # empty_like(permutation): where the inverse permutation is written
+    INVERSE = "inverse"  # the inverse permutation
+    POSITIONS = "positions"  # arange(T*k)
+    OFFSETS = "offsets"  # rows per expert, and their cumulative sums
+    WEIGHT = "weight"  # a 3-D expert parameter
+    BIAS = "bias"  # a 2-D expert bias
+    GATHERED = "gathered"  # weights indexed by expert ids
+    MUTATION = "mutation"  # the setitem that writes the inverse permutation
+
+
+class RowOrder(StrEnum):
+    """The order of a value's token rows."""
+
+    T = "t"  # [T, ...]: one row per token
+    T_K = "t,k"  # [T, k, ...]
+    TK = "tk"  # [T*k, ...], token-major
+    SORTED = "sorted"  # [T*k, ...] in the order of one sort of the expert ids
+
+
+ROW_DIMS = {RowOrder.T: 1, RowOrder.TK: 1, RowOrder.SORTED: 1, RowOrder.T_K: 2}
 UP, ACTIVATED, DOWN = 1, 2, 3  # stages of token data: 0 = entering the experts
 
 
@@ -36,8 +66,8 @@ class NotProven(Exception):
 
 @dataclass(frozen=True)
 class Tag:
-    kind: str  # data | router | expert | sort | slot | token | scratch | inverse | positions | offsets | weight | bias | gathered | mutation
-    order: str | None = None  # row order (ROW_DIMS), None when the value has no token rows
+    kind: TagKind
+    order: RowOrder | None = None  # row order (ROW_DIMS), None when the value has no token rows
     sort: fx.Node | None = None  # the sort a "sorted" order, permutation or offsets come from
     stage: int = 0  # data: 0 entering, UP, ACTIVATED, DOWN
     weighted: bool = False  # data: multiplied by the router weights
@@ -80,19 +110,19 @@ def _reshape(it: Interpreter, node):
         return tag
     tokens, k = it.tokens, it.topk
     if (
-        tag.order == "t,k"
+        tag.order == RowOrder.T_K
         and len(after) == len(before) - 1
         and same(after[0], tokens * k)
         and _same_dims(after[1:], before[2:])
     ):
-        return replace(tag, order="tk")  # [T, k, ...] -> [T*k, ...]
+        return replace(tag, order=RowOrder.TK)  # [T, k, ...] -> [T*k, ...]
     if (
-        tag.order == "tk"
+        tag.order == RowOrder.TK
         and len(after) == len(before) + 1
         and _same_dims(after[:2], (tokens, k))
         and _same_dims(after[2:], before[1:])
     ):
-        return replace(tag, order="t,k")  # [T*k, ...] -> [T, k, ...]
+        return replace(tag, order=RowOrder.T_K)  # [T*k, ...] -> [T, k, ...]
     return None
 
 
@@ -114,13 +144,13 @@ def _sort(it: Interpreter, node):
     descending = argument(node, 2, "descending", False)
     if (
         tag is None
-        or tag.kind != "expert"
-        or tag.order != "tk"
+        or tag.kind != TagKind.EXPERT
+        or tag.order != RowOrder.TK
         or descending
         or argument(node, 1, "dim", -1) not in (0, -1)
     ):
         return None
-    return Tag("sort", sort=node)
+    return Tag(TagKind.SORT, sort=node)
 
 
 def _getitem(it: Interpreter, node):
@@ -128,49 +158,51 @@ def _getitem(it: Interpreter, node):
     tag, index_tag = it.tag(src), it.tag(index)
     if tag is None:
         return None
-    if tag.kind == "sort" and index in (0, 1):  # (sorted expert ids, permutation)
-        return Tag("expert" if index == 0 else "slot", "sorted", sort=src)
+    if tag.kind == TagKind.SORT and index in (0, 1):  # (sorted expert ids, permutation)
+        return Tag(TagKind.EXPERT if index == 0 else TagKind.SLOT, RowOrder.SORTED, sort=src)
     if index_tag is None:
         return None
-    if tag.kind in ("weight", "bias") and not tag.graph_transposed and index_tag.kind == "expert":
-        return Tag("gathered", index_tag.order, index_tag.sort, param=tag.param)
-    if tag.kind not in ("data", "router"):
+    if tag.kind in (TagKind.WEIGHT, TagKind.BIAS) and not tag.graph_transposed and index_tag.kind == TagKind.EXPERT:
+        return Tag(TagKind.GATHERED, index_tag.order, index_tag.sort, param=tag.param)
+    if tag.kind not in (TagKind.DATA, TagKind.ROUTER):
         return None
-    if tag.order == "t" and index_tag.kind == "token":  # hidden[perm // k]
-        return replace(tag, order="sorted", sort=index_tag.sort)
-    if tag.order == "tk" and index_tag.kind == "slot":  # flat[perm]
-        return replace(tag, order="sorted", sort=index_tag.sort)
-    if tag.order == "sorted" and index_tag.kind == "inverse" and index_tag.sort is tag.sort:  # sorted[inv_perm]
-        return replace(tag, order="tk", sort=None)
+    if tag.order == RowOrder.T and index_tag.kind == TagKind.TOKEN:  # hidden[perm // k]
+        return replace(tag, order=RowOrder.SORTED, sort=index_tag.sort)
+    if tag.order == RowOrder.TK and index_tag.kind == TagKind.SLOT:  # flat[perm]
+        return replace(tag, order=RowOrder.SORTED, sort=index_tag.sort)
+    if (
+        tag.order == RowOrder.SORTED and index_tag.kind == TagKind.INVERSE and index_tag.sort is tag.sort
+    ):  # sorted[inv_perm]
+        return replace(tag, order=RowOrder.TK, sort=None)
     return None
 
 
 def _floordiv(it: Interpreter, node):
     tag = it.tag(node.args[0])
-    if tag is not None and tag.kind == "slot" and node.args[1] == it.topk:  # perm // k: the token of each row
-        return replace(tag, kind="token")
+    if tag is not None and tag.kind == TagKind.SLOT and node.args[1] == it.topk:  # perm // k: the token of each row
+        return replace(tag, kind=TagKind.TOKEN)
     return None
 
 
 def _histc(it: Interpreter, node):
     tag = it.tag(node.args[0])
     bins, low, high = argument(node, 1, "bins", 100), argument(node, 2, "min", 0), argument(node, 3, "max", 0)
-    if tag is None or tag.kind != "expert" or tag.order != "sorted":
+    if tag is None or tag.kind != TagKind.EXPERT or tag.order != RowOrder.SORTED:
         return None
     if (bins, low, high) != (it.experts, 0, it.experts - 1):
         it.refuse(node, f"histc(bins={bins}, min={low}, max={high}) does not count {it.experts} experts")
         return None
-    return Tag("offsets", sort=tag.sort)  # counts per expert; cumsum keeps the tag
+    return Tag(TagKind.OFFSETS, sort=tag.sort)  # counts per expert; cumsum keeps the tag
 
 
 def _cumsum(it: Interpreter, node):
     tag = it.tag(node.args[0])
-    return tag if tag is not None and tag.kind == "offsets" and argument(node, 1, "dim") == 0 else None
+    return tag if tag is not None and tag.kind == TagKind.OFFSETS and argument(node, 1, "dim") == 0 else None
 
 
 def _empty_like(it: Interpreter, node):
     tag = it.tag(node.args[0])
-    return Tag("scratch", sort=tag.sort) if tag is not None and tag.kind == "slot" else None
+    return Tag(TagKind.SCRATCH, sort=tag.sort) if tag is not None and tag.kind == TagKind.SLOT else None
 
 
 def _arange(it: Interpreter, node):
@@ -179,31 +211,41 @@ def _arange(it: Interpreter, node):
     if isinstance(end, fx.Node):
         end = value(end)
     if end is not None and same(end, it.tokens * it.topk):
-        return Tag("positions")
+        return Tag(TagKind.POSITIONS)
     return None
 
 
 def _setitem(it: Interpreter, node):
     target, index, new = node.args
     tags = [it.tag(target), it.tag(index), it.tag(new)]
-    if None in tags or [t.kind for t in tags] != ["scratch", "slot", "positions"] or tags[0].sort is not tags[1].sort:
+    if (
+        None in tags
+        or [t.kind for t in tags] != [TagKind.SCRATCH, TagKind.SLOT, TagKind.POSITIONS]
+        or tags[0].sort is not tags[1].sort
+    ):
         return None
-    it.tags[target] = Tag("inverse", sort=tags[0].sort)  # inv[perm] = arange(T*k): the inverse permutation
-    return Tag("mutation")
+    it.tags[target] = Tag(TagKind.INVERSE, sort=tags[0].sort)  # inv[perm] = arange(T*k): the inverse permutation
+    return Tag(TagKind.MUTATION)
 
 
 def _repeat_interleave(it: Interpreter, node):
     tag = it.tag(node.args[0])
     repeats, dim = argument(node, 1, "repeats"), argument(node, 2, "dim")
-    if tag is not None and tag.kind in ("data", "router") and tag.order == "t" and repeats == it.topk and dim == 0:
-        return replace(tag, order="tk")
+    if (
+        tag is not None
+        and tag.kind in (TagKind.DATA, TagKind.ROUTER)
+        and tag.order == RowOrder.T
+        and repeats == it.topk
+        and dim == 0
+    ):
+        return replace(tag, order=RowOrder.TK)
     return None
 
 
 def _transpose(it: Interpreter, node):
     tag = it.tag(node.args[0])
     dims = {d % 3 for d in node.args[1:3] if isinstance(d, int)}
-    if tag is not None and tag.kind == "weight" and dims == {1, 2} and not tag.graph_transposed:
+    if tag is not None and tag.kind == TagKind.WEIGHT and dims == {1, 2} and not tag.graph_transposed:
         return replace(tag, graph_transposed=True)
     return None
 
@@ -213,7 +255,7 @@ def _project(it: Interpreter, node, source, weight, transposed: bool, source_ord
     tag = it.tag(source)
     if tag is None and it.activation is None:
         tag = _resolve_activation(it, node, source)
-    if tag is None or tag.kind != "data" or tag.stage not in (0, ACTIVATED):
+    if tag is None or tag.kind != TagKind.DATA or tag.stage not in (0, ACTIVATED):
         return None
     if source_order is not None and tag.order != source_order:
         return None
@@ -225,12 +267,17 @@ def _project(it: Interpreter, node, source, weight, transposed: bool, source_ord
 def _grouped_mm(it: Interpreter, node):
     source, weight, offsets = node.args[0], node.args[1], argument(node, 2, "offs")
     weight_tag, offsets_tag = it.tag(weight), it.tag(offsets)
-    if weight_tag is None or weight_tag.kind != "weight" or offsets_tag is None or offsets_tag.kind != "offsets":
+    if (
+        weight_tag is None
+        or weight_tag.kind != TagKind.WEIGHT
+        or offsets_tag is None
+        or offsets_tag.kind != TagKind.OFFSETS
+    ):
         return None
     if argument(node, 3, "bias") is not None:
         return None
     tag = _project(it, node, source, weight_tag.param, transposed=not weight_tag.graph_transposed)
-    if tag is not None and (tag.order != "sorted" or tag.sort is not offsets_tag.sort):
+    if tag is not None and (tag.order != RowOrder.SORTED or tag.sort is not offsets_tag.sort):
         it.refuse(node, "grouped_mm rows are not sorted by the expert ids its offsets count", tag.stage)
         return None
     return tag
@@ -241,7 +288,7 @@ def _bmm(it: Interpreter, node):
     # W[ids] [S, out, in] @ x [S, in, 1], or x [S, 1, in] @ W[ids] [S, in, out] (weights stored transposed)
     for weight, source, transposed, column in ((left, right, False, -1), (right, left, True, -2)):
         weight_tag = it.tag(weight)
-        if weight_tag is None or weight_tag.kind != "gathered" or len(shape(weight_tag.param)) != 3:
+        if weight_tag is None or weight_tag.kind != TagKind.GATHERED or len(shape(weight_tag.param)) != 3:
             continue
         if shape(source)[column] == 1:  # one token row per batch entry
             tag = _project(it, node, source, weight_tag.param, transposed)
@@ -262,26 +309,33 @@ def _einsum(it: Interpreter, node):
     subscripts = inputs.split(",")
     tags = [it.tag(o) for o in operands]
     kinds = [t.kind if t is not None else None for t in tags]
-    if "gathered" in kinds:  # a projection: x [T, in] or [T, k, in] by W[topk_ids] [T, k, ., .]
-        g = kinds.index("gathered")
+    if TagKind.GATHERED in kinds:  # a projection: x [T, in] or [T, k, in] by W[topk_ids] [T, k, ., .]
+        g = kinds.index(TagKind.GATHERED)
         weight_subs, source_subs = subscripts[g], subscripts[1 - g]
-        if len(weight_subs) != 4 or tags[g].order != "t,k":
+        if len(weight_subs) != 4 or tags[g].order != RowOrder.T_K:
             return None
         token, slot, p, q = weight_subs
         contracted = p if p not in out else q  # the weight's `in` dim: q for [E, out, in] storage
-        lead, order = {2: (token, "t"), 3: (token + slot, "t,k")}.get(len(source_subs), ("", None))
+        lead, order = {2: (token, RowOrder.T), 3: (token + slot, RowOrder.T_K)}.get(len(source_subs), ("", None))
         if source_subs != lead + contracted or out != token + slot + ({p, q} - {contracted}).pop():
             return None
-        return _project(it, node, operands[1 - g], tags[g].param, contracted == p, source_order=order, out_order="t,k")
-    if kinds.count("data") == 1 and None in kinds and isinstance(operands[kinds.index(None)], fx.Node):
+        return _project(
+            it, node, operands[1 - g], tags[g].param, contracted == p, source_order=order, out_order=RowOrder.T_K
+        )
+    if kinds.count(TagKind.DATA) == 1 and None in kinds and isinstance(operands[kinds.index(None)], fx.Node):
         it.router_candidates.append(operands[kinds.index(None)])
-    if sorted(k or "" for k in kinds) == ["data", "router"]:  # the combine: sum_k router[t, k] * y[t, k, h]
-        d = kinds.index("data")
+    if sorted(k or "" for k in kinds) == [TagKind.DATA, TagKind.ROUTER]:  # the combine: sum_k router[t, k] * y[t, k, h]
+        d = kinds.index(TagKind.DATA)
         data_subs, router_subs = subscripts[d], subscripts[1 - d]
-        if tags[d].order != "t,k" or tags[1 - d].order != "t,k" or len(data_subs) != 3 or router_subs != data_subs[:2]:
+        if (
+            tags[d].order != RowOrder.T_K
+            or tags[1 - d].order != RowOrder.T_K
+            or len(data_subs) != 3
+            or router_subs != data_subs[:2]
+        ):
             return None
         if out == data_subs[0] + data_subs[2]:
-            return _weighted(it, node, tags[d], order="t")
+            return _weighted(it, node, tags[d], order=RowOrder.T)
     return None
 
 
@@ -296,9 +350,9 @@ def _mul(it: Interpreter, node):
     left, right = node.args[:2]
     tags = [it.tag(left), it.tag(right)]
     for data, other, other_node in ((tags[0], tags[1], right), (tags[1], tags[0], left)):
-        if data is None or data.kind != "data":
+        if data is None or data.kind != TagKind.DATA:
             continue
-        if other is not None and other.kind == "router" and other.order == data.order and other.sort is data.sort:
+        if other is not None and other.kind == TagKind.ROUTER and other.order == data.order and other.sort is data.sort:
             per_row = all(d == 1 for d in shape(other_node)[ROW_DIMS[data.order] :])  # router[..., None]
             return _weighted(it, node, data, data.order) if per_row else None
         if other is None and isinstance(other_node, fx.Node):
@@ -309,7 +363,13 @@ def _mul(it: Interpreter, node):
 def _add(it: Interpreter, node):
     left, right = node.args[:2]
     tag, bias = it.tag(left), it.tag(right)
-    if tag is None or bias is None or tag.kind != "data" or bias.kind != "gathered" or len(shape(bias.param)) != 2:
+    if (
+        tag is None
+        or bias is None
+        or tag.kind != TagKind.DATA
+        or bias.kind != TagKind.GATHERED
+        or len(shape(bias.param)) != 2
+    ):
         return None
     if tag.stage not in (UP, DOWN) or tag.stage in it.biases or bias.order != tag.order or bias.sort is not tag.sort:
         return None
@@ -323,9 +383,9 @@ def _add(it: Interpreter, node):
 def _sum(it: Interpreter, node):
     tag = it.tag(node.args[0])
     dim = argument(node, 1, "dim")
-    if tag is None or tag.kind != "data" or tag.order != "t,k" or argument(node, 2, "keepdim", False):
+    if tag is None or tag.kind != TagKind.DATA or tag.order != RowOrder.T_K or argument(node, 2, "keepdim", False):
         return None
-    return replace(tag, order="t") if dim in (1, -len(shape(node.args[0])) + 1) else None
+    return replace(tag, order=RowOrder.T) if dim in (1, -len(shape(node.args[0])) + 1) else None
 
 
 MAX_ACTIVATION_NODES = 64  # a gated activation is a handful of elementwise ops
@@ -343,7 +403,7 @@ def _resolve_activation(it: Interpreter, projection: fx.Node, source: fx.Node) -
         if node in nodes or node in inputs:
             continue
         tag = it.tags.get(node)
-        if tag is not None and tag.kind == "data" and tag.stage == UP:
+        if tag is not None and tag.kind == TagKind.DATA and tag.stage == UP:
             inputs.append(node)
             continue
         if tag is not None or node.op not in ("call_function", "call_method") or len(nodes) > MAX_ACTIVATION_NODES:
