@@ -11,7 +11,15 @@ import torch
 import torch.nn.functional as F
 
 from ..moe_problem import ACTIVATIONS, GATE_UP_LAYOUTS, MoEProblem, gated_activation  # noqa: F401 (the reference's math)
-from ..quant_registry.formats import E4M3_MIN_SCALE, ELEMENTS, _round, dequantize, quantize, rows_per_step
+from ..quant_registry.formats import (
+    E4M3_MIN_SCALE,
+    ELEMENTS,
+    _round,
+    decoded_numel,
+    dequantize,
+    quantize,
+    rows_per_step,
+)
 from ..quant_registry.keys import FP4, FP8, QuantKey, kFp8StaticTensorSym, kNvfp4CalibratedGlobal, needs_input_scale
 from ..quant_registry.qtensor import QTensor
 from . import registry
@@ -64,7 +72,7 @@ def linear(x: torch.Tensor, weight: QTensor, activation: QuantKey | None, bias: 
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x.dtype."""
     out = _dequantized_matmul(fake_quantize(x, activation, weight.input_scale), weight)
     if bias is not None:
-        out = out + bias.float()
+        out.add_(bias.float())  # in place: the product is this call's own fp32 tensor
     return out.to(x.dtype)
 
 
@@ -74,15 +82,18 @@ DEQUANTIZE_CHUNK = 1 << 18  # weight elements dequantized at once: 1 MiB of fp32
 def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
     """fp32 x [M, K] @ weight [N, K].T -> fp32 [M, N], the weight dequantized a few rows at a time:
     a whole fp32 copy per call (11 MiB for a 2816x1024 weight) was freed memory glibc kept, and the
-    process held 1.3-1.8x the quantized weights' size (bench/README.md, "Memory")."""
+    process held 1.3-1.8x the quantized weights' size (bench/README.md, "Memory"). Every step decodes
+    into one scratch and multiplies straight into its columns of the output (`out=`): a new fp32
+    step and product per step left glibc holding ~9 MiB of freed temporaries per process."""
     rows, cols = weight.shape[-2:]
     step = rows_per_step(cols, weight.key.group_shape.row, DEQUANTIZE_CHUNK)
-    if step >= rows:
+    if x.dim() != 2 or weight.data.dim() != 2:
         return x @ dequantize(weight, torch.float32).t()
-    out = torch.empty(*x.shape[:-1], rows, dtype=torch.float32, device=x.device)
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device)
+    scratch = torch.empty(decoded_numel(weight.rows(0, step)), dtype=torch.float32, device=x.device)
     for start in range(0, rows, step):
         part = weight.rows(start, start + step)
-        out[..., start : start + part.shape[-2]] = x @ dequantize(part, torch.float32).t()
+        torch.mm(x, dequantize(part, torch.float32, out=scratch).t(), out=out[:, start : start + part.shape[-2]])
     return out
 
 

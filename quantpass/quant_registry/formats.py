@@ -124,13 +124,17 @@ def fp4_round(x: torch.Tensor) -> torch.Tensor:
     return _fp4_tables()[1].index_select(0, _fp4_key(x)).view(x.shape)
 
 
-def fp4_decode(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., C/2] (two codes per byte, first in the low nibble) -> fp32 [..., C]."""
+def fp4_decode(packed: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """uint8 [..., C/2] (two codes per byte, first in the low nibble) -> fp32 [..., C], written into
+    `out` (contiguous fp32 of that shape) when given."""
     if not _lookup(packed):
         _, f4_to_f32, _, unpack = _fp4_codec()
-        return f4_to_f32(unpack(packed.contiguous()))
-    pairs = _fp4_tables()[2].index_select(0, packed.reshape(-1).to(torch.int32))
-    return pairs.view(*packed.shape[:-1], packed.shape[-1] * 2)
+        values = f4_to_f32(unpack(packed.contiguous()))
+        return values if out is None else out.copy_(values)
+    shape = (*packed.shape[:-1], packed.shape[-1] * 2)
+    pairs = None if out is None else out.view(-1, 2)
+    pairs = torch.index_select(_fp4_tables()[2], 0, packed.reshape(-1).to(torch.int32), out=pairs)
+    return pairs.view(shape)
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -303,11 +307,13 @@ def _quantize_whole_rows(x, key: QuantKey, element: Element, shape, dtype, scale
     return QTensor(_encode(values / scale, key.dtype).contiguous(), scale, None, key, shape, dtype)
 
 
-def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize(qt: QTensor, dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor `qt` stands for, in `dtype` (default: the original dtype), true shape. Whole groups
     are scaled in place through a grouped view (the same products as with `expand_scale`, without
-    two weight-sized fp32 scale tensors: the reference backend dequantizes every weight per call)."""
-    values = _decode(qt.data, qt.key.dtype)  # a new fp32 tensor
+    two weight-sized fp32 scale tensors: the reference backend dequantizes every weight per call).
+    `out`: fp32 scratch of at least `decoded_numel(qt)` elements to decode into instead of a new
+    tensor (the reference backend's row steps reuse one per call); the result may be a view of it."""
+    values = _decode(qt.data, qt.key.dtype, out)  # fp32, in `out` or new
     rows, cols = values.shape[-2], qt.shape[-1]
     row_group, (_, group_cols) = qt.key.group_shape.row, qt.key.group_shape.size(rows, values.shape[-1])
     if values.shape[-1] % group_cols == 0 and (row_group == -1 or rows % row_group == 0):
@@ -390,7 +396,20 @@ def _pack_grouped(values: torch.Tensor, pack) -> torch.Tensor:
     return pack(flat.contiguous()).unflatten(-1, (values.shape[-2], -1))
 
 
-def _decode(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def decoded_numel(qt: QTensor) -> int:
+    """Elements of `qt`'s decoded values (padded columns included): the scratch `dequantize` needs."""
+    return qt.data.numel() * (2 if ELEMENTS[qt.key.dtype].packed else 1)
+
+
+def _decode(data: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored elements -> their fp32 values (before scaling), new or in the first elements of `out`."""
+    if out is not None:
+        packed = ELEMENTS[dtype].packed
+        shape = (*data.shape[:-1], data.shape[-1] * (2 if packed else 1))
+        out = out.reshape(-1)[: math.prod(shape)].view(shape)
+        if dtype == FP4:
+            return fp4_decode(data, out)
+        return out.copy_(unpack_int4(data) if dtype == INT4 else data)  # exact: ints and fp8 fit in fp32
     if dtype == INT4:
         return unpack_int4(data).float()
     if dtype == FP4:
