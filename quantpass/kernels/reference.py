@@ -128,7 +128,7 @@ class _Arena:
     """One call's fp32 temporaries carved out of its thread's workspace, one after another.
 
     Allocated and freed on every call, they landed each time somewhere else in the holes that
-    released weights leave in glibc's heap, and every page they touched stayed resident: ~6 MiB
+    released weights leave in glibc's heap, and every page they touched stayed resident: 5-7 MiB
     more RSS per process than live (bench/README.md, "Memory"). The workspace is allocated once per
     thread and only its touched pages are resident. Off the CPU, inside a trace, or when a request
     does not fit what is left, `take` returns a new tensor instead."""
