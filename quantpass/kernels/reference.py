@@ -87,16 +87,25 @@ def linear(x: torch.Tensor, weight: QTensor, activation: QuantKey | None, bias: 
         quantized = _fake_quantize_rows(x, activation, arena.take(x.numel()))
     else:
         quantized = fake_quantize(x, activation, weight.input_scale)
-    # the fp32 product in the workspace unless it is the result itself (x.dtype fp32)
-    out = None if x.dtype == torch.float32 or x.dim() != 2 else arena.take(x.shape[0] * weight.shape[-2])
+    # the fp32 product in the workspace unless it is the result itself (x.dtype fp32) or autograd records the bias add
+    fresh = x.dtype == torch.float32 or x.dim() != 2 or (bias is not None and _records_grad(bias))
+    out = None if fresh else arena.take(x.shape[0] * weight.shape[-2])
     out = _dequantized_matmul(quantized, weight, arena, out)
     if bias is not None:
         out.add_(bias.float())
     return out.to(x.dtype)
 
 
+def _records_grad(x: torch.Tensor) -> bool:
+    """Autograd records ops on x: no workspace, no in-place round trip, no `out=` product (it has
+    no derivative, and a product saves its operands for the backward: a reused scratch would change them)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 def _in_place(x: torch.Tensor, key: QuantKey | None) -> bool:
     """`_fake_quantize_rows` serves x: no key (bf16/fp16 x), or a dynamic per-token / per-tensor FP8 or INT8 key."""
+    if _records_grad(x):
+        return False
     if key is None:
         return x.dtype != torch.float32
     return x.dim() == 2 and x.shape[0] > 0 and not key.static and _whole_rows(key)
@@ -130,12 +139,16 @@ class _Arena:
     Allocated and freed on every call, they landed each time somewhere else in the holes that
     released weights leave in glibc's heap, and every page they touched stayed resident: 5-7 MiB
     more RSS per process than live (bench/README.md, "Memory"). The workspace is allocated once per
-    thread and only its touched pages are resident. Off the CPU, inside a trace, or when a request
-    does not fit what is left, `take` returns a new tensor instead."""
+    thread and only its touched pages are resident. Off the CPU, inside a trace, under autograd, or
+    when a request does not fit what is left, `take` returns a new tensor instead."""
 
     def __init__(self, x: torch.Tensor):
         self.device, self.free = x.device, None
-        if x.device.type == "cpu" and type(x) is torch.Tensor and not torch.compiler.is_compiling():
+        if (
+            x.device.type == "cpu"
+            and type(x) is torch.Tensor
+            and not (torch.compiler.is_compiling() or _records_grad(x))
+        ):
             if getattr(_THREAD, "workspace", None) is None:
                 _THREAD.workspace = torch.empty(WORKSPACE, dtype=torch.float32)
             self.free = _THREAD.workspace
@@ -163,11 +176,15 @@ def _dequantized_matmul(
     arena = _Arena(x) if arena is None else arena
     out = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device) if out is None else out
     out = out.view(x.shape[0], rows)
-    scratch = arena.take(scratch_numel(weight.rows(0, step)))
+    grad = _records_grad(x)
+    scratch = None if grad else arena.take(scratch_numel(weight.rows(0, step)))
     for start in range(0, rows, step):
         part = weight.rows(start, start + step)
-        w = dequantize(part, torch.float32, scratch=scratch)
-        torch.mm(x, w.t(), out=out[:, start : start + part.shape[-2]])
+        w, columns = dequantize(part, torch.float32, scratch=scratch), slice(start, start + part.shape[-2])
+        if grad:
+            out[:, columns] = x @ w.t()
+        else:
+            torch.mm(x, w.t(), out=out[:, columns])
     return out
 
 
