@@ -113,7 +113,9 @@ def test_reference_matmul_dequantizes_a_few_rows_at_a_time(name, shape, monkeypa
     steps, dequantize = [], reference.dequantize
     monkeypatch.setattr(reference, "DEQUANTIZE_CHUNK", 5000)
     monkeypatch.setattr(
-        reference, "dequantize", lambda part, dtype: steps.append(part.shape[-2]) or dequantize(part, dtype)
+        reference,
+        "dequantize",
+        lambda part, dtype, **scratch: steps.append(part.shape[-2]) or dequantize(part, dtype, **scratch),
     )
     chunked = reference._dequantized_matmul(x, qt)
     assert len(steps) > 2 and sum(steps) == shape[0], steps

@@ -7,12 +7,32 @@ kernel and the reference should agree to rounding, not merely to the format's ac
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 
 from ..moe_problem import ACTIVATIONS, GATE_UP_LAYOUTS, MoEProblem, gated_activation  # noqa: F401 (the reference's math)
-from ..quant_registry.formats import E4M3_MIN_SCALE, ELEMENTS, _round, dequantize, quantize, rows_per_step
-from ..quant_registry.keys import FP4, FP8, QuantKey, kFp8StaticTensorSym, kNvfp4CalibratedGlobal, needs_input_scale
+from ..quant_registry.formats import (
+    AMAX_EPS,
+    E4M3_MIN_SCALE,
+    ELEMENTS,
+    _round,
+    _whole_rows,
+    dequantize,
+    quantize,
+    rows_per_step,
+    scratch_numel,
+)
+from ..quant_registry.keys import (
+    FP4,
+    FP8,
+    PER_ROW,
+    QuantKey,
+    kFp8StaticTensorSym,
+    kNvfp4CalibratedGlobal,
+    needs_input_scale,
+)
 from ..quant_registry.qtensor import QTensor
 from . import registry
 
@@ -62,27 +82,109 @@ STATIC_FAKE_QUANTIZE = {kFp8StaticTensorSym: _fp8_static_per_tensor, kNvfp4Calib
 
 def linear(x: torch.Tensor, weight: QTensor, activation: QuantKey | None, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x.dtype."""
-    out = _dequantized_matmul(fake_quantize(x, activation, weight.input_scale), weight)
+    arena = _Arena(x)
+    if _in_place(x, activation):
+        quantized = _fake_quantize_rows(x, activation, arena.take(x.numel()))
+    else:
+        quantized = fake_quantize(x, activation, weight.input_scale)
+    # the fp32 product in the workspace unless it is the result itself (x.dtype fp32) or autograd records the bias add
+    fresh = x.dtype == torch.float32 or x.dim() != 2 or (bias is not None and _records_grad(bias))
+    out = None if fresh else arena.take(x.shape[0] * weight.shape[-2])
+    out = _dequantized_matmul(quantized, weight, arena, out)
     if bias is not None:
-        out = out + bias.float()
+        out.add_(bias.float())
     return out.to(x.dtype)
 
 
+def _records_grad(x: torch.Tensor) -> bool:
+    """Autograd records ops on x: no workspace, no in-place round trip, no `out=` product (it has
+    no derivative, and a product saves its operands for the backward: a reused scratch would change them)."""
+    return x.requires_grad and torch.is_grad_enabled()
+
+
+def _in_place(x: torch.Tensor, key: QuantKey | None) -> bool:
+    """`_fake_quantize_rows` serves x: no key (bf16/fp16 x), or a dynamic per-token / per-tensor FP8 or INT8 key."""
+    if _records_grad(x):
+        return False
+    if key is None:
+        return x.dtype != torch.float32
+    return x.dim() == 2 and x.shape[0] > 0 and not key.static and _whole_rows(key)
+
+
+def _fake_quantize_rows(x: torch.Tensor, key: QuantKey | None, buffer: torch.Tensor) -> torch.Tensor:
+    """`fake_quantize(x, key)` bit for bit in `buffer` (x.numel() fp32 elements), in place: the same
+    divisions, clamp, cast and products as quantize + dequantize without their [M, K] temporaries."""
+    values = buffer.view(x.shape).copy_(x)
+    if key is None:
+        return values
+    limit, dims = ELEMENTS[key.dtype].max, (-1,) if key.group_shape == PER_ROW else (-2, -1)
+    amax = torch.maximum(values.amax(dim=dims, keepdim=True), values.amin(dim=dims, keepdim=True).neg_())
+    scale = amax.clamp_(min=AMAX_EPS) / limit  # |x|'s max without an |x| temporary
+    values.div_(scale).clamp_(-limit, limit)
+    if key.dtype == FP8:
+        values.copy_(values.to(FP8))
+    else:  # INT8: the rounded values are the stored integers (+ 0: an int8 zero has no sign)
+        values.round_().add_(0.0)
+    return values.mul_(scale)
+
+
 DEQUANTIZE_CHUNK = 1 << 18  # weight elements dequantized at once: 1 MiB of fp32 in flight
+WORKSPACE = 1 << 20  # fp32 elements (4 MiB) each CPU thread keeps for the temporaries of its calls
+_THREAD = threading.local()
 
 
-def _dequantized_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
+class _Arena:
+    """One call's fp32 temporaries carved out of its thread's workspace, one after another.
+
+    Allocated and freed on every call, they landed each time somewhere else in the holes that
+    released weights leave in glibc's heap, and every page they touched stayed resident: 5-7 MiB
+    more RSS per process than live (bench/README.md, "Memory"). The workspace is allocated once per
+    thread and only its touched pages are resident. Off the CPU, inside a trace, under autograd, or
+    when a request does not fit what is left, `take` returns a new tensor instead."""
+
+    def __init__(self, x: torch.Tensor):
+        self.device, self.free = x.device, None
+        if (
+            x.device.type == "cpu"
+            and type(x) is torch.Tensor
+            and not (torch.compiler.is_compiling() or _records_grad(x))
+        ):
+            if getattr(_THREAD, "workspace", None) is None:
+                _THREAD.workspace = torch.empty(WORKSPACE, dtype=torch.float32)
+            self.free = _THREAD.workspace
+
+    def take(self, numel: int) -> torch.Tensor:
+        """`numel` fp32 elements, flat, uninitialised, valid until the call returns."""
+        if self.free is None or numel > self.free.numel():
+            return torch.empty(numel, dtype=torch.float32, device=self.device)
+        taken, self.free = self.free[:numel], self.free[numel:]
+        return taken
+
+
+def _dequantized_matmul(
+    x: torch.Tensor, weight: QTensor, arena: _Arena | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """fp32 x [M, K] @ weight [N, K].T -> fp32 [M, N], the weight dequantized a few rows at a time:
     a whole fp32 copy per call (11 MiB for a 2816x1024 weight) was freed memory glibc kept, and the
-    process held 1.3-1.8x the quantized weights' size (bench/README.md, "Memory")."""
+    process held 1.3-1.8x the quantized weights' size (bench/README.md, "Memory"). Every step decodes
+    into one scratch from `arena` (else this call's own) and multiplies straight into its columns of
+    the output (`out=`; `out`: M * N fp32 elements to use for it, else a new tensor)."""
     rows, cols = weight.shape[-2:]
     step = rows_per_step(cols, weight.key.group_shape.row, DEQUANTIZE_CHUNK)
-    if step >= rows:
+    if x.dim() != 2 or weight.data.dim() != 2:
         return x @ dequantize(weight, torch.float32).t()
-    out = torch.empty(*x.shape[:-1], rows, dtype=torch.float32, device=x.device)
+    arena = _Arena(x) if arena is None else arena
+    out = torch.empty(x.shape[0], rows, dtype=torch.float32, device=x.device) if out is None else out
+    out = out.view(x.shape[0], rows)
+    grad = _records_grad(x)
+    scratch = None if grad else arena.take(scratch_numel(weight.rows(0, step)))
     for start in range(0, rows, step):
         part = weight.rows(start, start + step)
-        out[..., start : start + part.shape[-2]] = x @ dequantize(part, torch.float32).t()
+        w, columns = dequantize(part, torch.float32, scratch=scratch), slice(start, start + part.shape[-2])
+        if grad:
+            out[:, columns] = x @ w.t()
+        else:
+            torch.mm(x, w.t(), out=out[:, columns])
     return out
 
 

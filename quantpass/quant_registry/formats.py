@@ -124,12 +124,17 @@ def fp4_round(x: torch.Tensor) -> torch.Tensor:
     return _fp4_tables()[1].index_select(0, _fp4_key(x)).view(x.shape)
 
 
-def fp4_decode(packed: torch.Tensor) -> torch.Tensor:
-    """uint8 [..., C/2] (two codes per byte, first in the low nibble) -> fp32 [..., C]."""
+def fp4_decode(packed: torch.Tensor, out: torch.Tensor | None = None, index: torch.Tensor | None = None):
+    """uint8 [..., C/2] (two codes per byte, first in the low nibble) -> fp32 [..., C], written into
+    `out` (contiguous fp32 of that shape) when given; `index`: int32 scratch of `packed.numel()`
+    elements for the table lookup (else a new one)."""
     if not _lookup(packed):
         _, f4_to_f32, _, unpack = _fp4_codec()
-        return f4_to_f32(unpack(packed.contiguous()))
-    pairs = _fp4_tables()[2].index_select(0, packed.reshape(-1).to(torch.int32))
+        values = f4_to_f32(unpack(packed.contiguous()))
+        return values if out is None else out.copy_(values)
+    codes = packed.reshape(-1)
+    index = codes.to(torch.int32) if index is None else index.copy_(codes)
+    pairs = torch.index_select(_fp4_tables()[2], 0, index, out=None if out is None else out.view(-1, 2))
     return pairs.view(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
@@ -303,11 +308,13 @@ def _quantize_whole_rows(x, key: QuantKey, element: Element, shape, dtype, scale
     return QTensor(_encode(values / scale, key.dtype).contiguous(), scale, None, key, shape, dtype)
 
 
-def dequantize(qt: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize(qt: QTensor, dtype: torch.dtype | None = None, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """The tensor `qt` stands for, in `dtype` (default: the original dtype), true shape. Whole groups
     are scaled in place through a grouped view (the same products as with `expand_scale`, without
-    two weight-sized fp32 scale tensors: the reference backend dequantizes every weight per call)."""
-    values = _decode(qt.data, qt.key.dtype)  # a new fp32 tensor
+    two weight-sized fp32 scale tensors: the reference backend dequantizes every weight per call).
+    `scratch`: `scratch_numel(qt)` fp32 elements (or more) to decode into instead of new tensors
+    (the reference backend reuses one for every call); the result may then be a view of it."""
+    values = _decode(qt.data, qt.key.dtype, scratch)  # fp32, in `scratch` or new
     rows, cols = values.shape[-2], qt.shape[-1]
     row_group, (_, group_cols) = qt.key.group_shape.row, qt.key.group_shape.size(rows, values.shape[-1])
     if values.shape[-1] % group_cols == 0 and (row_group == -1 or rows % row_group == 0):
@@ -390,7 +397,21 @@ def _pack_grouped(values: torch.Tensor, pack) -> torch.Tensor:
     return pack(flat.contiguous()).unflatten(-1, (values.shape[-2], -1))
 
 
-def _decode(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def scratch_numel(qt: QTensor) -> int:
+    """fp32 elements `dequantize(qt, scratch=...)` works in: the decoded values (padded columns
+    included) and, for e2m1, the int32 lookup index of the packed bytes."""
+    return qt.data.numel() * {FP4: 3, INT4: 2}.get(qt.key.dtype, 1)
+
+
+def _decode(data: torch.Tensor, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """Stored elements -> their fp32 values (before scaling), new or in the first elements of `scratch`."""
+    if scratch is not None:
+        packed, flat = ELEMENTS[dtype].packed, scratch.reshape(-1)
+        shape = (*data.shape[:-1], data.shape[-1] * (2 if packed else 1))
+        values = flat[: math.prod(shape)].view(shape)
+        if dtype == FP4:
+            return fp4_decode(data, values, flat[values.numel() : values.numel() + data.numel()].view(torch.int32))
+        return values.copy_(unpack_int4(data) if dtype == INT4 else data)  # exact: ints and fp8 fit in fp32
     if dtype == INT4:
         return unpack_int4(data).float()
     if dtype == FP4:
