@@ -321,6 +321,9 @@ def main() -> None:
     print(f"# CPU decode, {stamp}; {machine}; {args.clock} clock; load average {os.getloadavg()[0]:.1f}")
     rows, targets = [], []
     best_bw = {}
+    # each thread count compiles 3 x LAYERS single-linear modules (quantpass, bf16, torchao): one code
+    # object for Dynamo, so its default limit of 8 would leave later ones to run eagerly
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 4 * LAYERS)
     with torch.no_grad():
         for threads in args.threads:
             torch.set_num_threads(threads)
