@@ -13,8 +13,9 @@ model, and how:
   `qp.state_dict(model, quantized=True)`: quantized weights as `QTensor`s (formats.py's layout).
 - Running a module eagerly after release restores its weights (weight_cache.py, with a warning).
 
-Anything else that reads a released weight directly (`p.sum()`, `model.half()`) reads freed memory:
-keep the originals for such code.
+Anything else that reads a released weight directly (`p.sum()`, `model.half()`) reads freed memory
+and can crash the process (its storage has no bytes): keep the originals for such code, or read
+`state_dict`'s dequantized value.
 """
 
 from __future__ import annotations
