@@ -13,8 +13,9 @@ otherwise: Inductor's own memory would blur the weights', but it is what users r
 - *accounted MiB*: the bytes quantpass can name: parameter storages still allocated + its weight cache.
 - *vs bf16*: weights MiB / the bf16 parameter bytes.
 - *live MiB*: the same as *weights MiB* after `malloc_trim(0)` (glibc hands back the free pages it
-  keeps): what is really allocated. The gap is freed per-call temporaries glibc kept (the
-  `reference` backend's dequantized weights, on CPU the only one for FP8 W8A8 and FP4).
+  keeps): what is really allocated. The gap is heap pages that per-call temporaries made resident
+  again after the build trimmed them (mostly the `reference` backend's, on CPU the only one for FP8
+  W8A8 and FP4: bench/README.md, "Memory").
 
 Modes `load:FORMAT` measure quantize-on-load instead: the parent saves the same model as a bf16
 checkpoint (`save_pretrained`, a temporary directory) and the child loads it with
