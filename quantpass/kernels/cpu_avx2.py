@@ -176,12 +176,13 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     return lib, True, f"quantpass's AVX2 kernels ({path.name})"
 
 
-def build(compiler: str, source: Path, flags=FLAGS, variants=((OPENMP,), ()), after=()) -> Path:
+def build(compiler: str, source: Path, flags=FLAGS, variants=((OPENMP,), ()), after=(), depends: str = "") -> Path:
     """The shared library for this source, compiler and flags: from the cache, or compiled into it
     (written under a temporary name, then renamed, so concurrent builders never load half a file).
-    `variants`: extra flags tried in order (the first that builds wins); `after`: linker arguments."""
+    `variants`: extra flags tried in order (the first that builds wins); `after`: linker arguments;
+    `depends`: anything else the library is built against (a library's version), for the cache key."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    recipe = " ".join((compiler, *flags, *(f for v in variants for f in v), *after, version))
+    recipe = " ".join((compiler, *flags, *(f for v in variants for f in v), *after, version, depends))
     digest = hashlib.sha256(source.read_bytes() + recipe.encode()).hexdigest()[:16]
     folder = _cache_folder()
     target = folder / f"{source.stem}-{digest}.so"

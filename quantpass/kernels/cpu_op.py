@@ -63,10 +63,9 @@ def _load(fast: tuple[tuple[str, tuple[int, int, int]], ...]):
     includes = [f"-I{path}" for path in cpp_extension.include_paths()[:1]]
     libraries = [f"-L{path}" for path in cpp_extension.library_paths()]
     after = (*libraries, "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{cpp_extension.library_paths()[0]}")
-    # QP_TORCH_VERSION: never read by the source; it puts torch's version into the build's cache key
-    flags = (*FLAGS, abi, f"-DQP_TORCH_VERSION={torch.__version__}", *includes)
+    flags = (*FLAGS, abi, *includes)
     try:
-        path = cpu_avx2.build(compiler, SOURCE, flags=flags, variants=((),), after=after)
+        path = cpu_avx2.build(compiler, SOURCE, flags=flags, variants=((),), after=after, depends=torch.__version__)
         torch.ops.load_library(str(path))
     except (OSError, RuntimeError, subprocess.CalledProcessError) as error:
         detail = (getattr(error, "stderr", "") or str(error)).strip()
