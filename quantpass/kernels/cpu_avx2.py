@@ -183,7 +183,8 @@ def build(compiler: str, source: Path, flags=FLAGS, variants=((OPENMP,), ()), af
     `depends`: anything else the library is built against (a library's version), for the cache key."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     recipe = " ".join((compiler, *flags, *(f for v in variants for f in v), *after, version, depends))
-    digest = hashlib.sha256(source.read_bytes() + recipe.encode()).hexdigest()[:16]
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
+    digest = hashlib.sha256(source.read_bytes() + headers + recipe.encode()).hexdigest()[:16]
     folder = _cache_folder()
     target = folder / f"{source.stem}-{digest}.so"
     if target.exists():

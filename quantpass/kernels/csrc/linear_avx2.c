@@ -40,27 +40,13 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };      /* element types of x, bias and out */
+#include "cpu_common.h"
+
 enum { EXACT = 0, INT8 = 1, INT16 = 2 };  /* `mode` (INT8 for INT4 weights, INT16 for INT8 weights) */
 #define GROUP 128                         /* INT4 weights per scale, and activations per block */
-#define ROW_ALIGN 16                      /* thread ranges start on multiples of 16 rows */
-#define MIN_WEIGHTS_PER_THREAD (1 << 18)  /* below this, one thread (waking another costs more) */
-#define INLINE static inline __attribute__((always_inline))
 
 /* ---- activations: into fp32 (INT4: in the even/odd order), then into integers ---- */
-
-INLINE float to_f32(const void *p, int type, int64_t i) {
-  if (type == F32) return ((const float *)p)[i];
-  if (type == F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
-  const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
-  float f;
-  memcpy(&f, &u, 4);
-  return f;
-}
 
 INLINE __m256 load8_f32(const void *p, int type, int64_t i) {
   if (type == F32) return _mm256_loadu_ps((const float *)p + i);
@@ -111,13 +97,6 @@ INLINE qlayout layout(int64_t kpad, int mode) {
 INLINE int64_t padded_k(int64_t kp, int bits, int mode) {
   const int64_t multiple = bits == 4 || mode == INT16 ? GROUP : 8;
   return (kp + multiple - 1) / multiple * multiple;
-}
-
-INLINE float hsum(__m256 v) {
-  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
-  h = _mm_add_ss(h, _mm_movehdup_ps(h));
-  return _mm_cvtss_f32(h);
 }
 
 /* max |v[i]| over 128 floats, or NaN if any is NaN or infinite */
@@ -414,20 +393,8 @@ static const tiles EXACT4 = {{exact4_4_1, exact4_2_2, exact4_2_3, exact4_2_4},
 static const tiles EXACT8 = {{exact8_4_1, exact8_2_2, exact8_2_3, exact8_2_4},
                              {exact8_1_1, exact8_1_2, exact8_1_3, exact8_1_4}, {4, 2, 2, 2}};
 
-INLINE void store(void *out, int type, int64_t i, float f) {
-  if (type == F32) {
-    ((float *)out)[i] = f;
-  } else if (type == F16) {
-    ((uint16_t *)out)[i] = _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-  } else { /* bf16, rounded to nearest even; a NaN stays a (quiet) NaN */
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u = (u & 0x7FFFFFFF) > 0x7F800000 ? (u | 0x00400000) : u + 0x7FFF + ((u >> 16) & 1);
-    ((uint16_t *)out)[i] = (uint16_t)(u >> 16);
-  }
-}
-
-static void rows(const problem *p, int64_t n0, int64_t n1) {
+static void rows(const void *arg, int64_t n0, int64_t n1) {
+  const problem *p = arg;
   const tiles *t = p->mode == INT8 ? (p->vnni ? &INT4_VNNI : &INT4_INT8) : p->mode == INT16 ? &INT8_INT16 : p->bits == 4 ? &EXACT4 : &EXACT8;
   const int64_t act_stride = p->mode == EXACT ? p->kpad * 4 : p->l.stride;
   float res[32];
@@ -448,18 +415,6 @@ static void rows(const problem *p, int64_t n0, int64_t n1) {
       }
     }
   }
-}
-
-/* Scratch for the rearranged activations: a per-thread buffer kept between calls (decode sizes), or a
- * fresh allocation for larger ones. */
-#define KEEP_BYTES (1 << 20)
-static __thread uint8_t *kept;
-
-static uint8_t *scratch(size_t bytes, int *fresh) {
-  *fresh = bytes > KEEP_BYTES;
-  if (*fresh) return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-  if (kept == NULL) kept = aligned_alloc(64, KEEP_BYTES);
-  return kept;
 }
 
 /* Which INT4 x int8 tiles run: 0 the AVX2 ones, 1 the AVX-512 VNNI ones (only where the CPU has them). */
@@ -504,19 +459,7 @@ int qp_linear(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const
     if (p.mode != EXACT) quantize_row(xf, p.mode, buf + m * p.l.stride, p.l);
   }
   p.acts = buf;
-  const int64_t units = (N + ROW_ALIGN - 1) / ROW_ALIGN, rows_per_thread = MIN_WEIGHTS_PER_THREAD / p.kpad + 1;
-  const int64_t most = N / rows_per_thread < units ? N / rows_per_thread : units;
-  if (threads > most) threads = most > 1 ? (int)most : 1;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    int t = 0, nt = 1;
-#ifdef _OPENMP
-    t = omp_get_thread_num();
-    nt = omp_get_num_threads();
-#endif
-    const int64_t n0 = units * t / nt * ROW_ALIGN, n1 = units * (t + 1) / nt * ROW_ALIGN;
-    rows(&p, n0, n1 < N ? n1 : N);
-  }
+  parallel_rows(rows, &p, N, p.kpad, threads);
   if (fresh) free(buf);
   return 0;
 }

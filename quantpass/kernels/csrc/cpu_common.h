@@ -1,0 +1,81 @@
+/* What quantpass's CPU kernels (linear_avx2.c, linear_fp4.c) share: element types and their conversions, the
+ * per-thread activation scratch, and how N is split across threads. */
+#ifndef QUANTPASS_CPU_COMMON_H
+#define QUANTPASS_CPU_COMMON_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+enum { F32 = 0, BF16 = 1, F16 = 2 }; /* element types of x, bias and out */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE float to_f32(const void *p, int type, int64_t i) {
+  if (type == F32) return ((const float *)p)[i];
+  if (type == F16) return _cvtsh_ss(((const uint16_t *)p)[i]);
+  const uint32_t u = (uint32_t)((const uint16_t *)p)[i] << 16;
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+INLINE float hsum(__m256 v) {
+  __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_add_ss(h, _mm_movehdup_ps(h));
+  return _mm_cvtss_f32(h);
+}
+
+INLINE void store(void *out, int type, int64_t i, float f) {
+  if (type == F32) {
+    ((float *)out)[i] = f;
+  } else if (type == F16) {
+    ((uint16_t *)out)[i] = _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
+  } else { /* bf16, rounded to nearest even; a NaN stays a (quiet) NaN */
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u = (u & 0x7FFFFFFF) > 0x7F800000 ? (u | 0x00400000) : u + 0x7FFF + ((u >> 16) & 1);
+    ((uint16_t *)out)[i] = (uint16_t)(u >> 16);
+  }
+}
+
+/* Scratch for the rearranged activations: a per-thread buffer kept between calls (decode sizes), or a
+ * fresh allocation for larger ones (then *fresh is set: the caller frees it). NULL if allocation failed. */
+#define KEEP_BYTES (1 << 20)
+static __thread uint8_t *kept;
+
+static uint8_t *scratch(size_t bytes, int *fresh) {
+  *fresh = bytes > KEEP_BYTES;
+  if (*fresh) return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
+  if (kept == NULL) kept = aligned_alloc(64, KEEP_BYTES);
+  return kept;
+}
+
+/* `rows(p, n0, n1)` over N weight rows of kp weights each, on up to `threads` OpenMP threads (the libgomp
+ * torch loaded): contiguous ranges that start on multiples of 16 rows, so no two threads write one 64-byte
+ * line of fp32 output and each streams its own part of the weights; one thread below 2^18 weights each
+ * (waking another costs more). */
+#define ROW_ALIGN 16
+#define MIN_WEIGHTS_PER_THREAD (1 << 18)
+
+static void parallel_rows(void (*rows)(const void *, int64_t, int64_t), const void *p, int64_t N, int64_t kp,
+                          int threads) {
+  const int64_t units = (N + ROW_ALIGN - 1) / ROW_ALIGN, rows_per_thread = MIN_WEIGHTS_PER_THREAD / kp + 1;
+  const int64_t most = N / rows_per_thread < units ? N / rows_per_thread : units;
+  if (threads > most) threads = most > 1 ? (int)most : 1;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    int t = 0, nt = 1;
+#ifdef _OPENMP
+    t = omp_get_thread_num();
+    nt = omp_get_num_threads();
+#endif
+    const int64_t n0 = units * t / nt * ROW_ALIGN, n1 = units * (t + 1) / nt * ROW_ALIGN;
+    rows(p, n0, n1 < N ? n1 : N);
+  }
+}
+
+#endif
