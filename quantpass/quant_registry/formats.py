@@ -93,6 +93,12 @@ def _fp4_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return codes, values[codes.long()], pairs
 
 
+def fp4_code_table() -> torch.Tensor:
+    """uint8 [8192]: the e2m1 code of every fp32 value by its `_fp4_key` (what `fp4_codes` gathers;
+    the cpu backend's FP4 kernel rounds NVFP4 activations with it, so both give the same bytes)."""
+    return _fp4_tables()[0]
+
+
 def _fp4_key(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> int32 `(top 12 bits) * 2 + (low 20 bits != 0)`, a flat index into `_fp4_tables`."""
     bits = x.reshape(-1).view(torch.int32)

@@ -1,0 +1,140 @@
+"""quantpass's MXFP4 / NVFP4 CPU kernel (csrc/linear_fp4.c), built on first use like cpu_avx2's.
+
+It reads the quantized weight as quantpass stores it (e2m1 codes two per byte, one scale byte per
+block: MXFP4 e8m0 per 32, NVFP4 e4m3 per 16 under an fp32 per-tensor scale), so preparing copies
+nothing and a call needs no dequantized weight: the `reference` backend, which ran these formats on
+CPU before, decoded every weight into fp32 scratch per call and multiplied with MKL's fp32 GEMM
+(~75 ms for a 4096x4096 MXFP4 weight at M=1; the scratch and MKL's buffers were most of what these
+formats held beyond their quantized bytes: bench/README.md, "Memory").
+
+Activations, per weight-activation pair (`MODES`):
+- weight-only (MXFP4, NVFP4 W4A16): each block of the weight's block size quantized once per call
+  to int8 with one fp32 scale (llama.cpp's Q8 idea), integer multiply-adds;
+- NVFP4 W4A4: x quantized to NVFP4 in the kernel, the bytes `formats.quantize` gives for the
+  dynamic key (the reference's activation quantization; tested), then exact integer products of the
+  two sets of e2m1 codes. In C rather than torch: `quantize`'s full-size fp32 temporaries landed in
+  the heap's holes on every call and stayed resident (bench/README.md, "Memory").
+Above `MAX_M` rows the `reference` backend runs the call (dequantize + matmul beats a kernel that
+re-reads its activations per weight row there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+
+import torch
+
+from ..quant_registry.formats import AMAX_EPS, fp4_code_table
+from ..quant_registry.keys import E8M0, kMxfp4Static, kNvfp4Dynamic, kNvfp4Static
+from ..quant_registry.qtensor import QTensor
+from . import cpu_avx2
+
+logger = logging.getLogger("quantpass")
+
+SOURCE = cpu_avx2.CSRC / "linear_fp4.c"
+# weight key -> the activation keys it runs with, and how the activations are taken (see the docstring)
+MODES = {
+    kMxfp4Static: {None: "int8 activations per 32"},
+    kNvfp4Static: {None: "int8 activations per 16", kNvfp4Dynamic: "NVFP4 activations, exact integer products"},
+}
+MAX_M = 256  # the kernel 1.2-1.4x the reference at M=256 on a 4096x4096 weight, 2-2.6x at 128 (bench/README.md)
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+ACTS = {None: 0, kNvfp4Dynamic: 1}  # csrc's INT8_BLOCKS, NVFP4
+_ARGS = (P, I64, I32, I64, I64, I32, P, F32, P, P, P, I32, I64, I64, F32, P, I32, P, I64, I32, I32)  # qp_linear_fp4
+
+
+def supports(weight, activation) -> tuple[bool, str]:
+    modes = MODES.get(weight)
+    if modes is None or activation not in modes:
+        return False, f"no FP4 CPU kernel for weight {weight} with activation {activation}"
+    ok, reason = available()
+    if not ok:
+        return False, f"quantpass's FP4 CPU kernel can't run: {reason}"
+    return True, f"e2m1 x {modes[activation]} on quantpass's AVX2 FP4 kernel for M <= {MAX_M}, reference above"
+
+
+def available() -> tuple[bool, str]:
+    """(ok, reason): whether this process can run the kernel; builds it on the first call."""
+    return _library()[1:]
+
+
+def prepare(weight: QTensor) -> QTensor:
+    """The kernel's layout: the quantized weight itself, contiguous (no copy when it is so)."""
+    data, scale = weight.data.contiguous(), weight.scale.contiguous()
+    if data is weight.data and scale is weight.scale:
+        return weight
+    return QTensor(data, scale, weight.scale2, weight.key, weight.shape, weight.dtype, weight.input_scale)
+
+
+def linear(
+    x: torch.Tensor, weight: QTensor, activation=None, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x.dtype (or into `out`, contiguous [M, N]
+    fp32/bf16/fp16: tests pass one poisoned with NaN). weight: MXFP4 or NVFP4 `[N, K]` as
+    `formats.quantize` makes it; activation: a key in `MODES[weight.key]`."""
+    lib, ok, reason = _library()
+    if not ok:
+        raise RuntimeError(f"quantpass's FP4 CPU kernel can't run: {reason}")
+    modes = MODES.get(weight.key)
+    if modes is None or activation not in modes:
+        raise ValueError(f"no FP4 CPU kernel for weight {weight.key} with activation {activation}")
+    rows, kp = weight.data.shape[0], weight.data.shape[1] * 2
+    block = weight.key.group_shape.col
+    if x.dim() != 2 or x.shape[1] > kp or weight.data.dim() != 2 or tuple(weight.scale.shape) != (rows, kp // block):
+        raise ValueError(f"FP4 kernel shapes: x {tuple(x.shape)}, {weight}")
+    if x.dtype not in cpu_avx2.DTYPES:
+        return linear(x.float(), weight, activation, None if bias is None else bias.float(), out).to(x.dtype)
+    if bias is not None and bias.dtype not in cpu_avx2.DTYPES:
+        bias = bias.float()
+    if out is None:
+        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
+    elif out.shape != (x.shape[0], rows) or out.dtype not in cpu_avx2.DTYPES or not out.is_contiguous():
+        raise ValueError(f"FP4 kernel out must be contiguous fp32/bf16/fp16 {(x.shape[0], rows)}; got {out.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    g = 0.5 if weight.scale2 is None else float(weight.scale2) / 2  # codes are e2m1 values x 2
+    data, scale = weight.data.contiguous(), weight.scale.contiguous().view(torch.uint8)
+    bias = None if bias is None else bias.contiguous()
+    status = lib.qp_linear_fp4(
+        x.data_ptr(), x.stride(0), cpu_avx2.DTYPES[x.dtype], x.shape[0], x.shape[1],
+        ACTS[activation], fp4_code_table().data_ptr(), AMAX_EPS, data.data_ptr(), scale.data_ptr(), _scale_table(weight.key.scale.dtype).data_ptr(), block, rows, kp, g,
+        None if bias is None else bias.data_ptr(), 0 if bias is None else cpu_avx2.DTYPES[bias.dtype],
+        out.data_ptr(), out.shape[-1], cpu_avx2.DTYPES[out.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if status:
+        raise cpu_avx2.scratch_error(status)
+    return out
+
+
+@functools.cache
+def _scale_table(dtype: torch.dtype) -> torch.Tensor:
+    """fp32 value of each scale byte: e8m0 (2^(b - 127), 255 is NaN) or e4m3."""
+    if dtype == E8M0:
+        table = torch.exp2(torch.arange(256, dtype=torch.float32) - 127)
+        table[255] = float("nan")
+        return table
+    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
+
+
+@functools.cache
+def _library() -> tuple[ctypes.CDLL | None, bool, str]:
+    ok, reason = cpu_avx2.available()  # the same CPUs, settings and compiler
+    if not ok:
+        return None, False, reason
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    try:
+        path = cpu_avx2.build(compiler, SOURCE)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        logger.warning(
+            "building quantpass's FP4 CPU kernel failed, FP4 runs on the reference: %s", detail.strip()[-500:]
+        )
+        return None, False, f"building csrc/{SOURCE.name} with {compiler} failed"
+    lib.qp_linear_fp4.argtypes, lib.qp_linear_fp4.restype = _ARGS, ctypes.c_int
+    return lib, True, f"quantpass's AVX2 FP4 kernel ({path.name})"

@@ -1,0 +1,252 @@
+/* FP4 (e2m1) weight linear for x86-64 with AVX2, FMA and F16C: MXFP4 and NVFP4 weights,
+ *   out[M, N] = x[M, K] @ dequant(w)[N, Kp].T (+ bias[N]),
+ * read in the layout quantpass quantizes into (no prepared copy): w [N, Kp / 2] bytes, byte j of a row
+ * holding code(2j) in its low nibble and code(2j + 1) in its high one (sign in bit 3); ws [N, Kp / B]
+ * one scale byte per block of B weights (MXFP4: B = 32, e8m0; NVFP4: B = 16, e4m3), decoded through
+ * `lut` (256 floats: the byte's value); NVFP4's per-tensor scale and other constants come in as `g`.
+ * Built and loaded at run time by quantpass/kernels/cpu_fp4.py (ctypes).
+ *
+ * Every e2m1 value times 2 is an integer in [-12, 12], so a block's dot product is an integer one:
+ *   activations  quantized here once per call (`act`): INT8_BLOCKS, per block of B to int8 q with
+ *                d = max|x| / 127 (weight-only formats, llama.cpp's Q8 idea); NVFP4, to NVFP4 as
+ *                quantpass's formats.quantize does for a dynamic key, byte for byte (an fp32 scale
+ *                over the whole x, e4m3 block scales, e2m1 codes through `codes`, the table that
+ *                function rounds with): the products are then exact integer ones.
+ *   products     per 32 weight bytes (64 codes): the nibbles become int8 through one _mm256_shuffle_epi8
+ *                table lookup each, _mm256_maddubs_epi16 multiplies |w| by sign(w) * q (llama.cpp's
+ *                trick for signed x signed), _mm256_madd_epi16 sums into 8 int32 lanes (each lane: 8
+ *                codes of one block; |sums| <= 2 * 12 * 127 * 4 < 2^31), one conversion and one FMA by
+ *                the lanes' weight scale x activation scale.
+ * The activations are split once per call into their even and odd columns, so the low nibbles of 32
+ * weight bytes meet 32 consecutive even activations and the high ones the odd ones. Threads (OpenMP)
+ * split N into ranges starting on multiples of 16 rows; each output is one thread's sum in a fixed
+ * order, whatever the number of threads (built with -ffp-contract=off).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#define CHUNK 32                         /* weight bytes (64 codes) per step */
+#define MB_MAX 4                         /* activation rows per pass over a weight row */
+
+enum { INT8_BLOCKS = 0, NVFP4 = 1 }; /* `act` */
+static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+typedef struct {
+  int64_t M, N, K, kp, row_bytes, chunks, full_chunks, blocks, ldo, act_stride;
+  int block, otype, btype, act;
+  float eps, scale2; /* NVFP4 activations: formats.AMAX_EPS, x's per-tensor scale */
+  const uint8_t *w, *ws, *codes;
+  const float *lut;
+  float g;
+  const int8_t *acts; /* per activation row: even codes [chunks * 32], odd codes [chunks * 32], lane scales [chunks * 8] fp32 */
+  const void *bias;
+  void *out;
+} problem;
+
+/* The block each of a chunk's 8 int32 lanes sums (lane i: bytes 4i .. 4i + 3, codes 64c + 8i ..), or -1 past the row. */
+INLINE int64_t lane_block(const problem *p, int64_t c, int i) {
+  const int64_t b = (64 * c + 8 * i) / p->block;
+  return b < p->blocks ? b : -1;
+}
+
+/* fp32 -> e4m3 -> fp32, rounded to nearest even, for v in [2^-6, 448] (e4m3's normal range) or NaN. */
+INLINE float e4m3(float v) {
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  if ((u & 0x7FFFFFFF) <= 0x7F800000) u = (u + 0x7FFFF + ((u >> 20) & 1)) & ~(uint32_t)0xFFFFF;
+  memcpy(&v, &u, 4);
+  return v;
+}
+
+/* e2m1 code of an fp32 value: formats.py's table, keyed by its top 12 bits and whether any low 20 is set. */
+INLINE int8_t e2m1_x2(const uint8_t *codes, float v) {
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  return E2M1_X2[codes[((u >> 20) & 0xFFF) << 1 | ((u & 0xFFFFF) != 0)] & 15];
+}
+
+/* One activation row into p's layout: int8 codes split even/odd, and per lane its block's scale. */
+static void prepare_row(const problem *p, const void *x, int xtype, int8_t *dst) {
+  const int64_t half = p->chunks * CHUNK, B = p->block;
+  int8_t *even = dst, *odd = dst + half;
+  float *lanes = (float *)(dst + 2 * half);
+  float d[p->blocks > 0 ? p->blocks : 1];
+  memset(even, 0, (size_t)(2 * half));
+  if (p->act == NVFP4) { /* formats._quantize_grouped's NVFP4 branch, in its order of fp32 operations */
+    for (int64_t b = 0; b < p->blocks; b++) {
+      float v[16], amax = 0.0f;
+      for (int64_t k = 0; k < 16; k++) {
+        const int64_t col = b * 16 + k;
+        v[k] = col < p->K ? to_f32(x, xtype, col) : 0.0f;
+        amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
+      }
+      float s = (amax > p->eps ? amax : p->eps) / 6.0f / p->scale2;
+      s = e4m3(s < 0.015625f ? 0.015625f : s > 448.0f ? 448.0f : s);
+      const float scale = s * p->scale2;
+      d[b] = s; /* x's scale2 is applied once, through g */
+      for (int64_t k = 0; k < 16; k += 2) {
+        even[(b * 16 + k) / 2] = e2m1_x2(p->codes, v[k] / scale);
+        odd[(b * 16 + k) / 2] = e2m1_x2(p->codes, v[k + 1] / scale);
+      }
+    }
+  } else { /* int8 per block of B: d = max|x| / 127, NaN if any is NaN or infinite */
+    for (int64_t b = 0; b < p->blocks; b++) {
+      float v[64], amax = 0.0f;
+      int finite = 1;
+      for (int64_t k = 0; k < B; k++) {
+        const int64_t col = b * B + k;
+        v[k] = col < p->K ? to_f32(x, xtype, col) : 0.0f;
+        finite &= isfinite(v[k]) != 0;
+        amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
+      }
+      d[b] = finite ? amax / 127.0f : NAN;
+      const float inv = finite && amax > 0.0f ? 127.0f / amax : 0.0f;
+      for (int64_t k = 0; k < B; k++) {
+        const int64_t col = b * B + k;
+        const int8_t q = finite ? (int8_t)lrintf(v[k] * inv) : 0; /* to nearest even, |q| <= 127 */
+        if (col & 1)
+          odd[col / 2] = q;
+        else
+          even[col / 2] = q;
+      }
+    }
+  }
+  for (int64_t c = 0; c < p->chunks; c++)
+    for (int i = 0; i < 8; i++) {
+      const int64_t b = lane_block(p, c, i);
+      lanes[c * 8 + i] = b < 0 ? 0.0f : d[b];
+    }
+}
+
+/* Weight rows r0 .. r0 + R - 1 times activation rows m0 .. m0 + MB - 1 -> res[m * R + r] (without g). */
+INLINE void tile(const problem *p, int64_t r0, int64_t m0, int R, int MB, float *res) {
+  const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_X2));
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  __m256 acc[4][MB_MAX];
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
+  const int64_t half = p->chunks * CHUNK;
+  for (int64_t c = 0; c < p->chunks; c++) {
+    const int64_t start = c * CHUNK;
+    for (int r = 0; r < R; r++) {
+      const uint8_t *w = p->w + (r0 + r) * p->row_bytes + start;
+      const uint8_t *s = p->ws + (r0 + r) * p->blocks;
+      __m256i v;
+      __m256 scale;
+      if (c < p->full_chunks) { /* all 64 codes in the row: no division here, this runs per 32 bytes */
+        v = _mm256_loadu_si256((const __m256i *)w);
+        _mm_prefetch((const char *)(w + R * p->row_bytes), _MM_HINT_T0); /* the next tile's row */
+        if (p->block == 16)
+          scale = _mm256_setr_ps(p->lut[s[4 * c]], p->lut[s[4 * c]], p->lut[s[4 * c + 1]], p->lut[s[4 * c + 1]],
+                                 p->lut[s[4 * c + 2]], p->lut[s[4 * c + 2]], p->lut[s[4 * c + 3]], p->lut[s[4 * c + 3]]);
+        else
+          scale = _mm256_setr_ps(p->lut[s[2 * c]], p->lut[s[2 * c]], p->lut[s[2 * c]], p->lut[s[2 * c]],
+                                 p->lut[s[2 * c + 1]], p->lut[s[2 * c + 1]], p->lut[s[2 * c + 1]], p->lut[s[2 * c + 1]]);
+      } else { /* the row's last, partial chunk: missing bytes read as zero codes, missing blocks as scale 0 */
+        uint8_t tmp[CHUNK] = {0};
+        float f[8];
+        memcpy(tmp, w, (size_t)(p->row_bytes - start));
+        v = _mm256_loadu_si256((const __m256i *)tmp);
+        for (int i = 0; i < 8; i++) {
+          const int64_t b = lane_block(p, c, i);
+          f[i] = b < 0 ? 0.0f : p->lut[s[b]];
+        }
+        scale = _mm256_loadu_ps(f);
+      }
+      const __m256i wl = _mm256_shuffle_epi8(table, _mm256_and_si256(v, low4));
+      const __m256i wh = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(v, 4), low4));
+      const __m256i al = _mm256_abs_epi8(wl), ah = _mm256_abs_epi8(wh);
+      for (int m = 0; m < MB; m++) {
+        const int8_t *a = p->acts + (m0 + m) * p->act_stride;
+        const __m256i xl = _mm256_loadu_si256((const __m256i *)(a + start));
+        const __m256i xh = _mm256_loadu_si256((const __m256i *)(a + half + start));
+        const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(al, _mm256_sign_epi8(xl, wl)),
+                                               _mm256_maddubs_epi16(ah, _mm256_sign_epi8(xh, wh)));
+        const __m256 lanes = _mm256_loadu_ps((const float *)(a + 2 * half) + c * 8);
+        acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, ones)), _mm256_mul_ps(scale, lanes),
+                                    acc[r][m]);
+      }
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int r = 0; r < R; r++) res[m * R + r] = hsum(acc[r][m]);
+}
+
+/* One function per (R, MB): the tile's loops unrolled with its registers. */
+#define TILE(R, MB) \
+  static void tile_##R##_##MB(const problem *p, int64_t r0, int64_t m0, float *res) { tile(p, r0, m0, R, MB, res); }
+TILE(4, 1) TILE(2, 2) TILE(2, 3) TILE(2, 4) TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4)
+typedef void (*tile_fn)(const problem *, int64_t, int64_t, float *);
+static const tile_fn WIDE[MB_MAX] = {tile_4_1, tile_2_2, tile_2_3, tile_2_4}, ONE[MB_MAX] = {tile_1_1, tile_1_2, tile_1_3, tile_1_4};
+static const int WIDE_ROWS[MB_MAX] = {4, 2, 2, 2};
+
+static void rows(const void *arg, int64_t n0, int64_t n1) {
+  const problem *p = arg;
+  float res[4 * MB_MAX];
+  for (int64_t nb = n0; nb < n1; nb += 8) { /* 8 weight rows at a time: in cache while M repeats them */
+    const int64_t ne = nb + 8 < n1 ? nb + 8 : n1;
+    for (int64_t m = 0; m < p->M; m += MB_MAX) {
+      const int mb = p->M - m < MB_MAX ? (int)(p->M - m) : MB_MAX, step = WIDE_ROWS[mb - 1];
+      for (int64_t n = nb; n < ne;) {
+        const int r = n + step <= ne ? step : 1;
+        (r == step ? WIDE : ONE)[mb - 1](p, n, m, res);
+        for (int i = 0; i < mb; i++)
+          for (int j = 0; j < r; j++) {
+            const float b = p->bias ? to_f32(p->bias, p->btype, n + j) : 0.0f;
+            store(p->out, p->otype, (m + i) * p->ldo + n + j, res[i * r + j] * p->g + b);
+          }
+        n += r;
+      }
+    }
+  }
+}
+
+/* Bytes of scratch a call needs: per activation row, even and odd codes, then 8 fp32 lane scales per chunk. */
+int64_t qp_fp4_scratch_bytes(int64_t M, int64_t kp) {
+  const int64_t chunks = (kp / 2 + CHUNK - 1) / CHUNK;
+  return M * chunks * (2 * CHUNK + 32);
+}
+
+/* x [M, K] (row stride ldx elements, `xtype`) @ w.T -> out [M, N] (row stride ldo, `otype`) * g, + bias [N]
+ * (`btype`; NULL: none). kp: the weights' columns (the data's columns x 2), a multiple of `block` (16 or
+ * 32), K <= kp. `act`: INT8_BLOCKS, or NVFP4 (block 16) with `codes` (formats.py's 8192-entry e2m1 table)
+ * and `eps` (its AMAX_EPS); an x with a NaN or infinity then gives NaN everywhere (its per-tensor scale).
+ * Returns 0; -1 if the scratch could not be allocated; -2 for a block size other than 16 or 32, a kp that
+ * is not a multiple of it, or NVFP4 activations on blocks of 32. */
+int qp_linear_fp4(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, int act, const uint8_t *codes,
+                  float eps, const uint8_t *w, const uint8_t *ws, const float *lut, int block, int64_t N, int64_t kp,
+                  float g, const void *bias, int btype, void *out, int64_t ldo, int otype, int threads) {
+  if ((block != 16 && block != 32) || kp % block || (act == NVFP4 && block != 16)) return -2;
+  problem p = {.M = M, .N = N, .K = K, .kp = kp, .row_bytes = kp / 2, .chunks = (kp / 2 + CHUNK - 1) / CHUNK,
+               .full_chunks = kp / 64, .blocks = kp / block, .ldo = ldo, .block = block, .otype = otype,
+               .btype = btype, .act = act, .eps = eps, .w = w, .ws = ws, .codes = codes, .lut = lut, .g = g,
+               .bias = bias, .out = out};
+  if (act == NVFP4) { /* x's per-tensor scale: max|x| (at least eps) / (448 * 6), as torchao's */
+    float amax = 0.0f;
+    int finite = 1;
+    for (int64_t m = 0; m < M; m++)
+      for (int64_t k = 0; k < K; k++) {
+        const float v = fabsf(to_f32((const uint8_t *)x + m * ldx * (xtype == F32 ? 4 : 2), xtype, k));
+        finite &= v <= 3.4028235e38f; /* false for NaN and inf */
+        amax = v > amax ? v : amax;
+      }
+    p.scale2 = (amax > eps ? amax : eps) / 2688.0f;
+    p.g = finite ? g * p.scale2 * 0.5f : NAN; /* x's codes are its e2m1 values x 2 too */
+  }
+  p.act_stride = p.chunks * (2 * CHUNK + 32);
+  const size_t bytes = (size_t)qp_fp4_scratch_bytes(M, kp);
+  int fresh;
+  int8_t *buf = (int8_t *)scratch(bytes, &fresh);
+  if (buf == NULL) return -1;
+  for (int64_t m = 0; m < M; m++)
+    prepare_row(&p, (const uint8_t *)x + m * ldx * (xtype == F32 ? 4 : 2), xtype, buf + m * p.act_stride);
+  p.acts = buf;
+  parallel_rows(rows, &p, N, kp, threads);
+  if (fresh) free(buf);
+  return 0;
+}
