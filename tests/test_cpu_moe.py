@@ -1,5 +1,5 @@
 """The cpu backend's fused MoE (the reference's per-expert loop with the cpu kernels per expert)
-against the reference: every MoE pair the oracle gives it, both INT4 kernels, T in {1, 5, 33} with
+against the reference: every MoE pair the oracle gives it (FP4 weight-only included), both INT4 kernels, T in {1, 5, 33} with
 H = 160 (INT4 pads K to 256), an expert map with non-local experts, biases, each activation and
 gate/up layout; its stacked weight layout; and the oracle choosing it on CPU only."""
 
@@ -19,7 +19,13 @@ PAIRS = [pair for pair, backends in oracle.MOE_CANDIDATES.items() if "cpu" in ba
 # int16 (INT8) or int8 per 128 (INT4); outputs are bf16. Measured 2026-11-29 (aten's) and 2026-12-01
 # (ours): weight-only >= 45.6 dB, ours for INT4 >= 36.0 dB; INT8 W8A8 on aten's 36.4-42.1 dB, because GEMM1's rounding differences flip some of the
 # intermediate activation's int8 roundings by one step before GEMM2.
-FLOORS_DB = {(keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym): 32}
+# FP4 weight-only (quantpass's FP4 kernel, int8 activations per 32 / 16): MXFP4 37.6-42.0 dB, NVFP4
+# 39.2-43.0 dB over these cases (2026-12-01).
+FLOORS_DB = {
+    (keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym): 32,
+    (keys.kMxfp4Static, None): 32,
+    (keys.kNvfp4Static, None): 32,
+}
 FLOOR_DB = 40
 INT4_OURS_FLOOR_DB = 32
 CASES = [  # tokens, local experts (None: all), bias, activation, layout, router weight on the input

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from quantpass.kernels import cpu, cpu_avx2, cpu_op, oracle, reference
+from quantpass.kernels import cpu, cpu_avx2, cpu_fp4, cpu_op, oracle, reference
 from quantpass.kernels import torch_ops as native
 from quantpass.kernels.ops import key_arg, linear_call, prepare_weight
 from quantpass.kernels.oracle import Capability, Problem
@@ -362,7 +362,7 @@ def test_supports_moe_and_missing_ops(monkeypatch):
 @pytest.mark.parametrize("backend", ["native", "cpu"])
 def test_every_oracle_row_is_answered(backend):
     """Each linear pair listing the backend: an answer with a reason on every reference device, and
-    the pairs that run on CPU are the ones this file runs."""
+    the pairs that run on CPU are the ones this file runs (FP4's: tests/test_cpu_fp4.py, where its kernel builds)."""
     module = oracle.backend_module(backend)
     runs_on_cpu = set()
     for pair, backends in oracle.LINEAR_CANDIDATES.items():
@@ -373,7 +373,8 @@ def test_every_oracle_row_is_answered(backend):
             assert why, (pair, capability)
             if ok and capability is CPU:
                 runs_on_cpu.add(pair)
-    expected = set(NATIVE_ON_CPU) if backend == "native" else set(CPU_PAIRS)
+    fp4 = {(w, a) for w, modes in cpu_fp4.MODES.items() for a in modes} if cpu_fp4.available()[0] else set()
+    expected = set(NATIVE_ON_CPU) if backend == "native" else set(CPU_PAIRS) | fp4
     assert runs_on_cpu == expected
 
 

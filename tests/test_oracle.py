@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from quantpass.kernels import cpu_avx2, oracle
+from quantpass.kernels import cpu_avx2, cpu_fp4, oracle
 from quantpass.kernels.oracle import Capability, NoKernelError, Problem, resolve_activation_key, select, variants
 from quantpass.quant_registry import QuantSpec, keys
 
@@ -16,6 +16,7 @@ B200_NO_FLASHINFER = Capability("cuda", 100, frozenset({"triton"}))
 MI300 = Capability("cuda", None, frozenset({"triton"}), hip=True)
 BIG = Problem(n=4096, k=4096)
 MOE = Problem(n=1536, k=4096, experts=64, topk=8, activation="silu")
+FP4_ON_CPU = "cpu" if cpu_fp4.available()[0] else "reference"  # quantpass's FP4 kernel, where it builds
 
 
 @pytest.fixture(autouse=True)
@@ -57,9 +58,12 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("linear", "mxfp4", B200, BIG, "native"),  # MX x bf16 is emulated on SM100 too
         ("moe", "mxfp4", H200, MOE, "triton"),  # emulated, but ahead of the fp32 reference
         ("linear", "mxfp8", CPU, BIG, "reference"),
-        ("linear", "nvfp4", CPU, BIG, "reference"),
-        ("linear", "mxfp4", CPU, BIG, "reference"),  # CPU_PRIORITY: faster than native's traced decode
-        ("linear", "mxfp4", CPU_INTERPRETER, BIG, "reference"),  # the interpreter is never picked on its own
+        ("linear", "nvfp4", CPU, BIG, FP4_ON_CPU),
+        ("linear", "nvfp4_weight_only", CPU, BIG, FP4_ON_CPU),
+        ("linear", "mxfp4", CPU, BIG, FP4_ON_CPU),  # CPU_PRIORITY: then the reference, faster than native's decode
+        ("linear", "mxfp4", CPU_INTERPRETER, BIG, FP4_ON_CPU),  # the interpreter is never picked on its own
+        ("moe", "mxfp4", CPU, MOE, FP4_ON_CPU),
+        ("moe", "nvfp4", CPU, MOE, "reference"),  # the per-expert loop runs FP4 weight-only
         ("moe", "mxfp8", B200, MOE, "flashinfer"),
         ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, activation="swigluoai"), "triton"),
         ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, has_bias=True), "triton"),

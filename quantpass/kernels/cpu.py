@@ -1,5 +1,6 @@
 """The `cpu` backend: weight-only CPU kernels for decode, dequantize + matmul above (and INT8 W8A8
-through the same kernels on fake-quantized activations).
+through the same kernels on fake-quantized activations); MXFP4 and NVFP4 (weight-only and W4A4) on
+quantpass's FP4 kernel (cpu_fp4.py), the `reference` backend above its largest M.
 
 - On x86-64 CPUs with AVX2 (AVX-512 ones too: faster than aten's there as well, measured) and no
   AMX: quantpass's own kernels (cpu_avx2.py, csrc/linear_avx2.c). They read the quantized weight as
@@ -34,7 +35,7 @@ from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, 
 from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import KINDS
-from . import cpu_avx2, cpu_op, ops, reference, registry
+from . import cpu_avx2, cpu_fp4, cpu_op, ops, reference, registry
 from .reference import fake_quantize
 
 logger = logging.getLogger("quantpass")
@@ -81,6 +82,11 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
         return False, f"no cpu kernel for site kind {kind!r}"
     if capability.device != "cpu":
         return False, f"aten's weight-only CPU kernels run on cpu, not {capability.device}"
+    if weight in cpu_fp4.MODES:
+        if kind == Kind.MOE and activation is not None:
+            return False, f"the per-expert loop runs FP4 weight-only; {activation} activations go to the reference"
+        ok, reason = cpu_fp4.supports(weight, activation)
+        return ok, ("per-expert loop: " if kind == Kind.MOE else "") + reason
     if activation not in ACTIVATIONS.get(weight, (None,)):
         return False, f"no CPU kernel for weight {weight} with activation {activation}"
     loop = "per-expert loop: " if kind == Kind.MOE else ""
@@ -107,6 +113,8 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
 
 def kernel_max_m(weight: QTensor) -> int:
     """Largest M that runs a kernel for this prepared weight (above: dequantize + matmul)."""
+    if weight.key in cpu_fp4.MODES:
+        return cpu_fp4.MAX_M
     if _on_our_kernel(weight):
         return OURS_MAX_M[weight.key]
     if weight.key == kInt4StaticGroup128Sym and _int4_layout() is None:
@@ -121,6 +129,8 @@ def prepare_weight(kind: str, weight: QTensor) -> QTensor:
     the CPU packed layout, scale [Kp/128, N, 2] = (scale, 0) in the weight's dtype. One copy either
     way: the large-M path dequantizes per call.
     """
+    if weight.key in cpu_fp4.MODES:
+        return cpu_fp4.prepare(weight)
     if weight.key not in KERNELS:
         raise ValueError(f"cpu backend can't prepare {weight.key}; valid: {', '.join(sorted(map(str, KERNELS)))}")
     if _is_aten_layout(weight):
@@ -144,6 +154,8 @@ def prepare_moe_weights(w13: QTensor, w2: QTensor, gate_up_layout: GateUpLayout)
 
 
 def _prepare_experts(weight: QTensor) -> QTensor:
+    if weight.key in cpu_fp4.MODES:
+        return cpu_fp4.prepare(weight)
     if _is_aten_layout(weight[0]):
         return weight
     if cpu_avx2.available()[0]:
@@ -165,7 +177,12 @@ def _expert_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
 
 def linear(x: torch.Tensor, weight: QTensor, activation, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x.dtype. Unprepared weights are prepared per
-    call (correct; a copy per call where aten's layout is needed): the graph path prepares once."""
+    call (correct; a copy per call where aten's layout is needed): the graph path prepares once.
+    MXFP4 / NVFP4: the FP4 kernel up to its largest M, the reference's dequantize + matmul above."""
+    if weight.key in cpu_fp4.MODES:
+        if x.shape[0] > cpu_fp4.MAX_M:
+            return reference.linear(x, weight, activation, bias)
+        return cpu_fp4.linear(x, cpu_fp4.prepare(weight), activation, bias)
     if activation not in ACTIVATIONS.get(weight.key, (None,)):
         raise ValueError(f"the cpu backend has no kernel for weight {weight.key} with activation {activation}")
     if activation is not None:

@@ -40,14 +40,14 @@ LINEAR_CANDIDATES: dict[Pair, list[str]] = {
     (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["native", "triton", "reference"],
     (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["native", "triton", "reference"],
     (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "native", "triton", "reference"],
-    (k.kMxfp4Static,           None):                   ["triton", "native", "reference"],
+    (k.kMxfp4Static,           None):                   ["triton", "native", "cpu", "reference"],
     (k.kMxfp4Static,           k.kMxfp8Dynamic):        ["triton", "reference"],
-    (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["native", "reference"],
+    (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["native", "cpu", "reference"],
     (k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym): ["cpu", "native", "triton", "reference"],
     (k.kFp8StaticChannelSym,   None):                   ["triton", "native", "reference"],
     (k.kInt8StaticChannelSym,  None):                   ["cpu", "triton", "native", "reference"],
     (k.kInt4StaticGroup128Sym, None):                   ["cpu", "triton", "native", "reference"],
-    (k.kNvfp4Static,           None):                   ["triton", "native", "reference"],
+    (k.kNvfp4Static,           None):                   ["triton", "native", "cpu", "reference"],
     # static activation scales (a pre-quantized checkpoint's input_scale): the reference backend only
     (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["reference"],
     (k.kNvfp4Static,           k.kNvfp4CalibratedGlobal): ["reference"],
@@ -59,14 +59,14 @@ MOE_CANDIDATES: dict[Pair, list[str]] = {
     (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["triton", "reference"],
     (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["triton", "reference"],
     (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "triton", "reference"],
-    (k.kMxfp4Static,           None):                   ["triton", "reference"],
+    (k.kMxfp4Static,           None):                   ["triton", "cpu", "reference"],
     (k.kMxfp4Static,           k.kMxfp8Dynamic):        ["triton", "reference"],
     (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["reference"],
     (k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym): ["triton", "cpu", "reference"],
     (k.kFp8StaticChannelSym,   None):                   ["triton", "reference"],
     (k.kInt8StaticChannelSym,  None):                   ["triton", "native", "cpu", "reference"],
     (k.kInt4StaticGroup128Sym, None):                   ["triton", "cpu", "reference"],
-    (k.kNvfp4Static,           None):                   ["triton", "reference"],
+    (k.kNvfp4Static,           None):                   ["triton", "cpu", "reference"],
     (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["reference"],
     (k.kNvfp4Static,           k.kNvfp4CalibratedGlobal): ["reference"],
     (k.kFp8Static128BlockSym,  None):                     ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
@@ -78,17 +78,19 @@ CANDIDATES = {Kind.LINEAR: LINEAR_CANDIDATES, Kind.MOE: MOE_CANDIDATES}
 # matrix units: torch._scaled_mm emulates and ran at the reference's speed (bench/README.md,
 # "Measurements behind choices in the code"), while tracing native's activation
 # quantization into every graph made the dense preset compile 1.5x plain Inductor (the opaque
-# reference op: 1.0x). MXFP4 and NVFP4 weight-only: native's traced e2m1 decode ran 1.3x slower than
-# the reference's at M=1 (even at M=32), compiled 4x slower, and kept ~10 weight-sized temporaries
-# per call without Inductor (both in bench/README.md, "Measurements behind choices in the code").
-# Native stays available by name.
+# reference op: 1.0x). MXFP4 and NVFP4: the cpu backend's FP4 kernel (kernels/cpu_fp4.py; 55x
+# the reference at M=1 on a 4096x4096 weight, 1.2-1.4x at M=256), then the reference; native's traced e2m1
+# decode ran 1.3x slower than the reference's at M=1 (even at M=32), compiled 4x slower, and kept ~10
+# weight-sized temporaries per call without Inductor (bench/README.md, "Measurements behind choices
+# in the code"). Native stays available by name.
 # fmt: off
 CPU_PRIORITY = {
     Kind.LINEAR: {
         (k.kFp8StaticTensorSym,  k.kFp8DynamicTensorSym): ["reference", "native", "triton"],
         (k.kFp8StaticChannelSym, k.kFp8DynamicTokenSym):  ["reference", "native", "triton"],
-        (k.kMxfp4Static,         None):                   ["reference", "native", "triton"],
-        (k.kNvfp4Static,         None):                   ["reference", "native", "triton"],
+        (k.kMxfp4Static,         None):                   ["cpu", "reference", "native", "triton"],
+        (k.kNvfp4Static,         None):                   ["cpu", "reference", "native", "triton"],
+        (k.kNvfp4Static,         k.kNvfp4Dynamic):        ["cpu", "reference", "native"],
     },
 }
 # fmt: on

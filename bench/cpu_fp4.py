@@ -1,0 +1,107 @@
+"""MXFP4 / NVFP4 on CPU: quantpass's FP4 kernel (kernels/cpu_fp4.py) against the `reference`
+backend, which ran these formats on CPU before it, side by side in one process.
+
+    python bench/cpu_fp4.py                                  # 1 thread, M = 1 .. 256
+    python bench/cpu_fp4.py --threads 2 --ms 1 4 --rounds 9
+
+Method: 8 distinct 4096x4096 bf16 weights quantized once per format, used in rotation so every call
+reads its weight from DRAM (8 x 8.4-9 MiB > the 48 MiB L3 here); x bf16 [M, 4096]; one call per
+weight per round, rounds interleaved (ours, reference, ours, ...), medians and spread (min-max) of
+the per-call time over rounds, wall clock. GB/s: the quantized weight's bytes (codes + scales) per
+call time. The kernel's largest M (`cpu_fp4.MAX_M`, above it the cpu backend calls the reference)
+comes from this table. Writes `cpu_fp4.csv` to --out (default $OUT or bench/out/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from results import utc_stamp, write_csv  # bench/results.py (scripts run from bench/)
+
+from quantpass.kernels import cpu_fp4, reference
+from quantpass.quant_registry import keys, quantize
+
+FORMATS = {  # name -> (weight key, activation key)
+    "mxfp4": (keys.kMxfp4Static, None),
+    "nvfp4_weight_only": (keys.kNvfp4Static, None),
+    "nvfp4 (W4A4)": (keys.kNvfp4Static, keys.kNvfp4Dynamic),
+}
+LAYERS, SIZE = 8, 4096
+
+
+def parse_args():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
+    return parser.parse_args()
+
+
+def per_call(fn, calls: int) -> float:
+    """Seconds per call of one run of `fn`, which makes `calls` calls."""
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) / calls
+
+
+def interleaved(x, weights, activation, rounds: int) -> tuple[list[float], list[float]]:
+    """Seconds per call of each round: (the kernel, the reference), one run of each per round."""
+    cases = (  # the reference on 2 of the weights: ~75 ms per call at M=1
+        (lambda: [cpu_fp4.linear(x, w, activation) for w in weights], len(weights)),
+        (lambda: [reference.linear(x, w, activation, None) for w in weights[:2]], 2),
+    )
+    for fn, _ in cases:  # warm-up
+        fn()
+    times = ([], [])
+    for _ in range(rounds):
+        for samples, (fn, calls) in zip(times, cases):
+            samples.append(per_call(fn, calls))
+    return times
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(args.threads)
+    ok, reason = cpu_fp4.available()
+    if not ok:
+        raise SystemExit(f"quantpass's FP4 CPU kernel can't run here: {reason}")
+    rows = []
+    for name, (weight_key, activation) in FORMATS.items():
+        gen = torch.Generator().manual_seed(0)
+        weights = [quantize(torch.randn(SIZE, SIZE, generator=gen).bfloat16(), weight_key) for _ in range(LAYERS)]
+        nbytes = weights[0].nbytes
+        for m in args.ms:
+            x = torch.randn(m, SIZE, generator=gen).bfloat16()
+            times = interleaved(x, weights, activation, args.rounds)
+            (k, k_lo, k_hi), (r, r_lo, r_hi) = ((statistics.median(t), min(t), max(t)) for t in times)
+            rows.append(
+                {"format": name, "M": m, "threads": args.threads, "kernel_ms": k * 1e3, "kernel_min_ms": k_lo * 1e3,
+                 "kernel_max_ms": k_hi * 1e3, "kernel_GBps": nbytes / k / 1e9, "reference_ms": r * 1e3,
+                 "reference_min_ms": r_lo * 1e3, "reference_max_ms": r_hi * 1e3, "reference_over_kernel": r / k}
+            )  # fmt: skip
+            print(f"{name} M={m}: kernel {k * 1e3:.2f} ms, reference {r * 1e3:.1f} ms", flush=True)
+    out = Path(args.out) / "cpu_fp4.csv"
+    write_csv(out, rows, {"date": utc_stamp(), "machine": platform.processor() or platform.machine()})
+    print(f"\n{utc_stamp()}, {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
+          f"`python bench/cpu_fp4.py {' '.join(sys.argv[1:])}`".rstrip())  # fmt: skip
+    print("\n| format | M | FP4 kernel ms (spread) | GB/s | reference ms (spread) | reference / kernel |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(
+            f"| {r['format']} | {r['M']} | {r['kernel_ms']:.2f} ({r['kernel_min_ms']:.2f}-{r['kernel_max_ms']:.2f}) | "
+            f"{r['kernel_GBps']:.1f} | {r['reference_ms']:.1f} ({r['reference_min_ms']:.1f}-{r['reference_max_ms']:.1f}) | "
+            f"{r['reference_over_kernel']:.1f}x |"
+        )
+    print(f"\nCSV: {out}")
+
+
+if __name__ == "__main__":
+    main()
