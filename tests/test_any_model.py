@@ -23,6 +23,7 @@ FLOOR = {"int8_weight_only": 0.999, "fp8_per_channel": 0.995, "nvfp4": 0.97}  # 
 
 def compiled(model, fmt="int8_weight_only", **options):
     backend = qp.backend(linear=fmt, **{"lowering": "aot_eager", **options})
+    backend.keep_graphs = True
     torch._dynamo.reset()
     return torch.compile(model, backend=backend), backend
 

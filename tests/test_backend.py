@@ -35,6 +35,7 @@ def llama():
 def compile_logits(model, ids, **options):
     # the module-scoped model is compiled again and again: keep its originals (release has its own tests)
     backend = qp.backend(**{"lowering": "aot_eager", "keep_original_weights": True, **options})
+    backend.keep_graphs = True
     torch._dynamo.reset()
     with torch.no_grad():
         logits = torch.compile(model, backend=backend)(ids).logits

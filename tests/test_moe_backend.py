@@ -56,6 +56,7 @@ def test_every_moe_format_on_real_models(name, implementation, pair):
     gm, example_inputs, reference_logits = captured(name, implementation)
     spec = {"weight": str(pair[0]), "activation": None if pair[1] is None else str(pair[1])}
     backend = qp.backend(moe=spec, lowering="eager")  # MoE only: linears stay as they are
+    backend.keep_graphs = True
     with torch.no_grad():
         logits = logits_of(backend(gm, example_inputs)(*example_inputs), reference_logits)
     moe_rows = [row for row in backend.plan.rows if row.kind == "moe"]

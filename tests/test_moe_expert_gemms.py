@@ -33,6 +33,7 @@ COSINE_FLOOR = 0.99
 
 def compile_with(model, spec="int8_per_channel", lowering="aot_eager"):
     backend = qp.backend(moe=spec, lowering=lowering)
+    backend.keep_graphs = True
     torch._dynamo.reset()
     return torch.compile(model, backend=backend), backend
 
