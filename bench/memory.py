@@ -11,7 +11,8 @@ otherwise: Inductor's own memory would blur the weights', but it is what users r
   code): what the weights cost the process, the issue's "minus a weightless model of the same shape".
 - *peak MiB*: the process's peak RSS (VmHWM) during the compile and first call, minus RSS before build.
 - *accounted MiB*: the bytes quantpass can name: parameter storages still allocated + its weight cache.
-- *vs bf16*: weights MiB / the bf16 parameter bytes.
+- *vs bf16*: weights MiB / the bf16 parameter bytes (three decimals: the 4-bit target is 0.32x, and
+  runs of one mode differ by ~0.5 MiB).
 - *live MiB*: the same as *weights MiB* after `malloc_trim(0)` (glibc hands back the free pages it
   keeps): what is really allocated. The gap is heap pages that per-call temporaries made resident
   again after the build trimmed them (mostly the `reference` backend's, on CPU the only one for FP8
@@ -141,8 +142,8 @@ def table(rows: list[dict]) -> str:
         peak = r["peak"] - r["before"]
         peak_ratio = "" if base is None else f"{peak / (base['peak'] - base['before']):.2f}x"
         lines.append(
-            f"| {r['mode']} | {weights / mib:.0f} | {weights / r['param_bytes']:.2f}x | {live / mib:.0f} | "
-            f"{live / r['param_bytes']:.2f}x | {peak / mib:.0f} | {peak_ratio} | {r['accounted'] / mib:.0f} |"
+            f"| {r['mode']} | {weights / mib:.1f} | {weights / r['param_bytes']:.3f}x | {live / mib:.1f} | "
+            f"{live / r['param_bytes']:.3f}x | {peak / mib:.0f} | {peak_ratio} | {r['accounted'] / mib:.1f} |"
         )
     return "\n".join(lines)
 
