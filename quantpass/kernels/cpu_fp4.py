@@ -106,6 +106,8 @@ def linear(
         None if bias is None else bias.data_ptr(), 0 if bias is None else cpu_avx2.DTYPES[bias.dtype],
         out.data_ptr(), out.shape[-1], cpu_avx2.DTYPES[out.dtype], torch.get_num_threads(),
     )  # fmt: skip
+    if status == -2:  # the checks above make this unreachable; said plainly if they ever drift apart
+        raise ValueError(f"the FP4 kernel refused blocks of {block} over {kp} columns with activation {activation}")
     if status:
         raise cpu_avx2.scratch_error(status)
     return out
