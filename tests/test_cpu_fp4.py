@@ -96,7 +96,7 @@ def test_nvfp4_activations_with_a_nan_are_nan_everywhere_as_the_reference():
 @pytest.mark.parametrize("key", [*WEIGHT_ONLY, (keys.kNvfp4Static, keys.kNvfp4Dynamic)], ids=str)
 def test_one_and_two_threads_are_bit_equal(key):
     weight_key, activation = key if isinstance(key, tuple) else (key, None)
-    x, weight, bias = operands(weight_key, 3, 1024, 512)  # enough rows for the kernel to use 2 threads
+    x, weight, bias = operands(weight_key, 3, 1024, 1024)  # 2^20 weights: 2 threads (one below 2^18 each)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
