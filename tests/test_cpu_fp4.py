@@ -136,8 +136,17 @@ def test_the_cpu_backend_routes_fp4_to_the_kernel_and_large_m_to_the_reference()
     assert torch.equal(below, cpu_fp4.linear(x[:3], weight, keys.kNvfp4Dynamic, bias))
 
 
+@pytest.fixture
+def fresh_dynamo():
+    """Compiled nn modules share code objects across tests: start clean and leave no cache entries
+    (six compiles here pushed a later fullgraph test in the same process past Dynamo's recompile limit)."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "nvfp4_weight_only"])
-def test_a_compiled_model_runs_fp4_on_the_cpu_kernel(fmt):
+def test_a_compiled_model_runs_fp4_on_the_cpu_kernel(fmt, fresh_dynamo):
     def run(backend):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(96, 80), torch.nn.GELU(), torch.nn.Linear(80, 48)).bfloat16()
