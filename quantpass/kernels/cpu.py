@@ -182,7 +182,7 @@ def linear(x: torch.Tensor, weight: QTensor, activation, bias: torch.Tensor | No
     if weight.key in cpu_fp4.MODES:
         if x.shape[0] > cpu_fp4.MAX_M:
             return reference.linear(x, weight, activation, bias)
-        return cpu_fp4.linear(x, cpu_fp4.prepare(weight), activation, bias)
+        return cpu_fp4.linear(x, weight, activation, bias)  # it reads any layout prepare() would pass
     if activation not in ACTIVATIONS.get(weight.key, (None,)):
         raise ValueError(f"the cpu backend has no kernel for weight {weight.key} with activation {activation}")
     if activation is not None:

@@ -159,21 +159,29 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
         return None, False, f"built for x86-64 CPUs with AVX2; this is {machine} with {capability}"
     if getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)():
         return None, False, "this CPU has AMX, which aten's kernels use; ours were never measured against them there"
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None, False, "no C compiler (cc, gcc or $CC) to build it"
-    try:
-        path = build(compiler, SOURCE)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        logger.warning("building quantpass's CPU kernels failed, using aten's: %s", detail.strip()[-500:])
-        return None, False, f"building csrc/{SOURCE.name} with {compiler} failed"
+    lib, reason = load(SOURCE, "using aten's")
+    if lib is None:
+        return None, False, reason
     lib.qp_linear.argtypes, lib.qp_linear.restype = _ARGS, ctypes.c_int
     lib.qp_scratch_bytes.argtypes, lib.qp_scratch_bytes.restype = (I64, I64, I32, I32), I64
     lib.qp_int4_vnni.argtypes, lib.qp_int4_vnni.restype = (I32,), I32
     lib.qp_int4_vnni(1)  # where the CPU has them (INT4_TILES)
-    return lib, True, f"quantpass's AVX2 kernels ({path.name})"
+    return lib, True, f"quantpass's AVX2 kernels ({reason})"
+
+
+def load(source: Path, fallback: str) -> tuple[ctypes.CDLL | None, str]:
+    """(the library built from `source` with the system C compiler, its file name), or (None, why
+    not), with a warning saying what runs instead (`fallback`) when the build fails."""
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None, "no C compiler (cc, gcc or $CC) to build it"
+    try:
+        path = build(compiler, source)
+        return ctypes.CDLL(str(path)), path.name
+    except (OSError, subprocess.CalledProcessError) as error:
+        detail = getattr(error, "stderr", "") or str(error)
+        logger.warning("building csrc/%s failed, %s: %s", source.name, fallback, detail.strip()[-500:])
+        return None, f"building csrc/{source.name} with {compiler} failed"
 
 
 def build(compiler: str, source: Path, flags=FLAGS, variants=((OPENMP,), ()), after=(), depends: str = "") -> Path:

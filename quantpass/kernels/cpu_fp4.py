@@ -22,10 +22,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
-import shutil
-import subprocess
 
 import torch
 
@@ -33,8 +29,6 @@ from ..quant_registry.formats import AMAX_EPS, fp4_code_table
 from ..quant_registry.keys import E8M0, kMxfp4Static, kNvfp4Dynamic, kNvfp4Static
 from ..quant_registry.qtensor import QTensor
 from . import cpu_avx2
-
-logger = logging.getLogger("quantpass")
 
 SOURCE = cpu_avx2.CSRC / "linear_fp4.c"
 # weight key -> the activation keys it runs with, and how the activations are taken (see the docstring)
@@ -128,15 +122,8 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     ok, reason = cpu_avx2.available()  # the same CPUs, settings and compiler
     if not ok:
         return None, False, reason
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    try:
-        path = cpu_avx2.build(compiler, SOURCE)
-        lib = ctypes.CDLL(str(path))
-    except (OSError, subprocess.CalledProcessError) as error:
-        detail = getattr(error, "stderr", "") or str(error)
-        logger.warning(
-            "building quantpass's FP4 CPU kernel failed, FP4 runs on the reference: %s", detail.strip()[-500:]
-        )
-        return None, False, f"building csrc/{SOURCE.name} with {compiler} failed"
+    lib, reason = cpu_avx2.load(SOURCE, "FP4 runs on the reference")
+    if lib is None:
+        return None, False, reason
     lib.qp_linear_fp4.argtypes, lib.qp_linear_fp4.restype = _ARGS, ctypes.c_int
-    return lib, True, f"quantpass's AVX2 FP4 kernel ({path.name})"
+    return lib, True, f"quantpass's AVX2 FP4 kernel ({reason})"
