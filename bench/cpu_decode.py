@@ -38,6 +38,7 @@ import statistics
 import time
 from pathlib import Path
 
+import results  # bench/results.py (scripts run from bench/)
 import torch
 
 import quantpass as qp
@@ -73,16 +74,8 @@ CLOCK = time.perf_counter
 
 
 def interleaved(cases: dict, rounds: int) -> dict[str, list[float]]:
-    """{name: seconds per call of each round}: one untimed warm-up, then each case once per round."""
-    for fn in cases.values():
-        fn()
-    times = {name: [] for name in cases}
-    for _ in range(rounds):
-        for name, fn in cases.items():
-            start = CLOCK()
-            fn()
-            times[name].append(CLOCK() - start)
-    return times
+    """results.interleaved on the clock --clock chose."""
+    return results.interleaved(cases, rounds, CLOCK)
 
 
 # --- bandwidth ---

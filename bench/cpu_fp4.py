@@ -19,11 +19,10 @@ import os
 import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
-from results import utc_stamp, write_csv  # bench/results.py (scripts run from bench/)
+from results import interleaved, utc_stamp, write_csv  # bench/results.py (scripts run from bench/)
 
 from quantpass.kernels import cpu_fp4, reference
 from quantpass.quant_registry import keys, quantize
@@ -45,28 +44,6 @@ def parse_args():
     return parser.parse_args()
 
 
-def per_call(fn, calls: int) -> float:
-    """Seconds per call of one run of `fn`, which makes `calls` calls."""
-    start = time.perf_counter()
-    fn()
-    return (time.perf_counter() - start) / calls
-
-
-def interleaved(x, weights, activation, rounds: int) -> tuple[list[float], list[float]]:
-    """Seconds per call of each round: (the kernel, the reference), one run of each per round."""
-    cases = (  # the reference on 2 of the weights: ~75 ms per call at M=1
-        (lambda: [cpu_fp4.linear(x, w, activation) for w in weights], len(weights)),
-        (lambda: [reference.linear(x, w, activation, None) for w in weights[:2]], 2),
-    )
-    for fn, _ in cases:  # warm-up
-        fn()
-    times = ([], [])
-    for _ in range(rounds):
-        for samples, (fn, calls) in zip(times, cases):
-            samples.append(per_call(fn, calls))
-    return times
-
-
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
@@ -80,8 +57,13 @@ def main() -> None:
         nbytes = weights[0].nbytes
         for m in args.ms:
             x = torch.randn(m, SIZE, generator=gen).bfloat16()
-            times = interleaved(x, weights, activation, args.rounds)
-            (k, k_lo, k_hi), (r, r_lo, r_hi) = ((statistics.median(t), min(t), max(t)) for t in times)
+            cases = {  # the reference on 2 of the weights: ~75 ms per call at M=1
+                "kernel": lambda x=x, ws=weights, a=activation: [cpu_fp4.linear(x, w, a) for w in ws],
+                "reference": lambda x=x, ws=weights[:2], a=activation: [reference.linear(x, w, a, None) for w in ws],
+            }
+            runs = interleaved(cases, args.rounds)
+            per_call = ([t / LAYERS for t in runs["kernel"]], [t / 2 for t in runs["reference"]])
+            (k, k_lo, k_hi), (r, r_lo, r_hi) = ((statistics.median(t), min(t), max(t)) for t in per_call)
             rows.append(
                 {"format": name, "M": m, "threads": args.threads, "kernel_ms": k * 1e3, "kernel_min_ms": k_lo * 1e3,
                  "kernel_max_ms": k_hi * 1e3, "kernel_GBps": nbytes / k / 1e9, "reference_ms": r * 1e3,

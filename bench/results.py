@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime
+import time
 from pathlib import Path
 
 
@@ -19,3 +20,17 @@ def write_csv(path: Path, rows: list[dict], header: dict | None = None) -> None:
 
 def utc_stamp() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def interleaved(cases: dict, rounds: int, clock=time.perf_counter) -> dict[str, list[float]]:
+    """{name: seconds of each round}: one untimed warm-up, then each case once per round (A, B, A, B, ...),
+    so a noisy machine slows every case alike."""
+    for fn in cases.values():
+        fn()
+    times = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            start = clock()
+            fn()
+            times[name].append(clock() - start)
+    return times
