@@ -240,7 +240,7 @@ def test_online_quantized_model_exports_and_loads_back(tmp_path):
         qp.save_pretrained(model, tmp_path / "int4")
 
 
-def test_static_activation_scale_reaches_the_reference_kernel():
+def test_static_activation_scale_reaches_the_kernel():
     """qp.linear with a checkpoint's calibrated scale: FP8 W8A8 with the static scale, and an error
     naming the key when the weight has none."""
     w, x = torch.randn(48, 160), torch.randn(5, 160)

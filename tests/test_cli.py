@@ -95,12 +95,15 @@ def test_device_defaults_are_the_formats_with_a_fast_kernel(monkeypatch, device,
 
 
 def test_explain_in_a_subprocess_logs_the_oracle_rejections():
-    env = {**os.environ, "QUANTPASS_LOG": "debug"}
+    env = {**os.environ, "QUANTPASS_LOG": "debug", "QUANTPASS_DISABLED_BACKENDS": "cpu"}  # the FP8 kernel: first
     argv = ["explain", "--model", "dense", "--quantization", "fp8_per_block", "--prompt-length", "8"]
     done = subprocess.run([sys.executable, "-m", "quantpass", *argv], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert re.search(r"^model\.layers\.0\.mlp\.down_proj +linear +kFp8Static128BlockSym", done.stdout, re.M)
     assert "linear: 14 quantized (fp8_per_block; reference 14) | 1 skipped" in done.stdout
+    assert re.search(
+        r"\[quantpass DEBUG\] linear .*: cpu rejected: disabled by QUANTPASS_DISABLED_BACKENDS", done.stderr
+    )
     assert re.search(r"\[quantpass DEBUG\] linear .*: triton rejected: not chosen automatically on cpu", done.stderr)
 
 
@@ -158,7 +161,7 @@ def test_formats_lists_names_keys_and_backends(capsys):
     assert main(["formats"]) == 0
     out = capsys.readouterr().out
     assert re.search(
-        r"^fp8_per_channel +kFp8StaticChannelSym +kFp8DynamicTokenSym +linear +reference, native", out, re.M
+        r"^fp8_per_channel +kFp8StaticChannelSym +kFp8DynamicTokenSym +linear +(cpu, )?reference, native", out, re.M
     )
     assert re.search(r"^int4_weight_only +kInt4StaticGroup128Sym +- +linear +cpu, ", out, re.M)
 

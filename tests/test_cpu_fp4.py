@@ -3,15 +3,13 @@ on odd shapes, outputs poisoned with NaN before the call: W4A4 against the refer
 quantized activations: fp32 rounding apart); weight-only against an independent float64 computation of
 what it defines (x quantized to int8 per block, then exact products), and against the reference's exact
 activations with the accuracy it states; every tail (K not a multiple of 64 codes, N not a multiple of
-the tiles' rows, M across the activation-row tiles); 1 vs 2 threads bit-equal; NaN rows; the cpu
-backend's routing (reference above MAX_M) and the oracle choosing it for a compiled model."""
+the tiles' rows, M across the activation-row tiles); NaN rows; argument errors. Threads, routing and
+compiled models: tests/test_cpu_format_kernels.py."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-import quantpass as qp
-from quantpass.kernels import cpu, cpu_fp4, reference
+from quantpass.kernels import cpu_fp4, reference
 from quantpass.metrics import sqnr
 from quantpass.quant_registry import formats, keys
 
@@ -93,21 +91,6 @@ def test_nvfp4_activations_with_a_nan_are_nan_everywhere_as_the_reference():
     assert cpu_fp4.linear(x, weight, keys.kNvfp4Dynamic).isnan().all()
 
 
-@pytest.mark.parametrize("key", [*WEIGHT_ONLY, (keys.kNvfp4Static, keys.kNvfp4Dynamic)], ids=str)
-def test_one_and_two_threads_are_bit_equal(key):
-    weight_key, activation = key if isinstance(key, tuple) else (key, None)
-    x, weight, bias = operands(weight_key, 3, 1024, 1024)  # 2^20 weights: 2 threads (one below 2^18 each)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = cpu_fp4.linear(x, weight, activation, bias)
-        torch.set_num_threads(2)
-        two = cpu_fp4.linear(x, weight, activation, bias)
-    finally:
-        torch.set_num_threads(threads)
-    assert torch.equal(one, two)
-
-
 @pytest.mark.parametrize("key", WEIGHT_ONLY, ids=str)
 def test_a_row_with_nan_or_inf_is_nan_and_the_others_are_not(key):
     x, weight, _ = operands(key, 3, 16, 128)
@@ -124,40 +107,3 @@ def test_bad_arguments_name_what_is_wrong():
         cpu_fp4.linear(torch.randn(2, 96), weight)
     with pytest.raises(ValueError, match="out must be contiguous"):
         cpu_fp4.linear(x, weight, out=torch.empty(2, 15))
-
-
-def test_the_cpu_backend_routes_fp4_to_the_kernel_and_large_m_to_the_reference():
-    x, weight, bias = operands(keys.kNvfp4Static, cpu_fp4.MAX_M + 1, 32, 64)
-    assert cpu.prepare_weight("linear", weight) is weight  # no copy: the kernel reads the quantized weight
-    assert cpu.kernel_max_m(weight) == cpu_fp4.MAX_M
-    above = cpu.linear(x, weight, keys.kNvfp4Dynamic, bias)
-    assert torch.equal(above, reference.linear(x, weight, keys.kNvfp4Dynamic, bias))
-    below = cpu.linear(x[:3], weight, keys.kNvfp4Dynamic, bias)
-    assert torch.equal(below, cpu_fp4.linear(x[:3], weight, keys.kNvfp4Dynamic, bias))
-
-
-@pytest.fixture
-def fresh_dynamo():
-    """Compiled nn modules share code objects across tests: start clean and leave no cache entries
-    (six compiles here pushed a later fullgraph test in the same process past Dynamo's recompile limit)."""
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
-@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4", "nvfp4_weight_only"])
-def test_a_compiled_model_runs_fp4_on_the_cpu_kernel(fmt, fresh_dynamo):
-    def run(backend):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(96, 80), torch.nn.GELU(), torch.nn.Linear(80, 48)).bfloat16()
-        compiler = qp.backend(linear=fmt, backend=backend, lowering="aot_eager")
-        with torch.no_grad():
-            out = torch.compile(model, backend=compiler)(
-                torch.randn(3, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
-            )
-        return out, compiler.plan
-
-    (want, _), (got, plan) = run("reference"), run("auto")
-    assert [row.backend for row in plan.quantized()] == ["cpu", "cpu"], plan.summary()
-    floor = 0.9999 if fmt == "nvfp4" else 0.999  # W4A4: the same quantized activations as the reference
-    assert F.cosine_similarity(want.float().flatten(), got.float().flatten(), dim=0) >= floor

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from quantpass.kernels import cpu, cpu_avx2, cpu_fp4, cpu_op, oracle, reference
+from quantpass.kernels import cpu, cpu_avx2, cpu_fp4, cpu_fp8, cpu_op, oracle, reference
 from quantpass.kernels import torch_ops as native
 from quantpass.kernels.ops import key_arg, linear_call, prepare_weight
 from quantpass.kernels.oracle import Capability, Problem
@@ -313,7 +313,7 @@ SUPPORTS_CASES = [
     (cpu,    SM90,  kInt8StaticChannelSym, None,                 BIG,              False, "run on cpu, not cuda"),
     (cpu,    CPU,   kInt8StaticChannelSym, kInt8DynamicTokenSym, BIG,              True,  "activations fake-quantized per token"),
     (cpu,    CPU,   kInt4StaticGroup128Sym, kInt8DynamicTokenSym, BIG,             False, "no CPU kernel for weight kInt4StaticGroup128Sym with activation kInt8DynamicTokenSym"),
-    (cpu,    CPU,   kFp8StaticChannelSym,  None,                 BIG,              False, "no CPU kernel for weight kFp8StaticChannelSym; valid: "),
+    (cpu,    CPU,   kFp8StaticChannelSym,  kMxfp8Dynamic,        BIG,              False, "no FP8 CPU kernel for weight kFp8StaticChannelSym with activation kMxfp8Dynamic"),
 ]
 # fmt: on
 
@@ -362,7 +362,8 @@ def test_supports_moe_and_missing_ops(monkeypatch):
 @pytest.mark.parametrize("backend", ["native", "cpu"])
 def test_every_oracle_row_is_answered(backend):
     """Each linear pair listing the backend: an answer with a reason on every reference device, and
-    the pairs that run on CPU are the ones this file runs (FP4's: tests/test_cpu_fp4.py, where its kernel builds)."""
+    the pairs that run on CPU are the ones this file runs (FP4's and FP8's: tests/test_cpu_fp4.py and
+    tests/test_cpu_fp8.py, where their kernels build)."""
     module = oracle.backend_module(backend)
     runs_on_cpu = set()
     for pair, backends in oracle.LINEAR_CANDIDATES.items():
@@ -373,8 +374,8 @@ def test_every_oracle_row_is_answered(backend):
             assert why, (pair, capability)
             if ok and capability is CPU:
                 runs_on_cpu.add(pair)
-    fp4 = {(w, a) for w, modes in cpu_fp4.MODES.items() for a in modes} if cpu_fp4.available()[0] else set()
-    expected = set(NATIVE_ON_CPU) if backend == "native" else set(CPU_PAIRS) | fp4
+    families = {(w, a) for m in (cpu_fp4, cpu_fp8) if m.available()[0] for w, acts in m.MODES.items() for a in acts}
+    expected = set(NATIVE_ON_CPU) if backend == "native" else set(CPU_PAIRS) | families & set(oracle.LINEAR_CANDIDATES)
     assert runs_on_cpu == expected
 
 

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from quantpass.kernels import cpu_avx2, cpu_fp4, oracle
+from quantpass.kernels import cpu_avx2, cpu_fp4, cpu_fp8, oracle
 from quantpass.kernels.oracle import Capability, NoKernelError, Problem, resolve_activation_key, select, variants
 from quantpass.quant_registry import QuantSpec, keys
 
@@ -17,6 +17,7 @@ MI300 = Capability("cuda", None, frozenset({"triton"}), hip=True)
 BIG = Problem(n=4096, k=4096)
 MOE = Problem(n=1536, k=4096, experts=64, topk=8, activation="silu")
 FP4_ON_CPU = "cpu" if cpu_fp4.available()[0] else "reference"  # quantpass's FP4 kernel, where it builds
+FP8_ON_CPU = "cpu" if cpu_fp8.available()[0] else "reference"  # and its FP8 one
 
 
 @pytest.fixture(autouse=True)
@@ -37,10 +38,12 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
 @pytest.mark.parametrize(
     ("kind", "spec", "capability", "problem", "expected"),
     [
-        ("linear", "fp8_per_channel", CPU, BIG, "reference"),  # no FP8 units: _scaled_mm emulates (CPU_PRIORITY)
-        ("linear", "fp8_per_tensor", CPU, BIG, "reference"),
+        ("linear", "fp8_per_channel", CPU, BIG, FP8_ON_CPU),  # no FP8 units: _scaled_mm emulates (CPU_PRIORITY)
+        ("linear", "fp8_per_tensor", CPU, BIG, FP8_ON_CPU),
+        ("linear", "fp8_weight_only", CPU, BIG, FP8_ON_CPU),
+        ("linear", ("fp8_per_tensor", "kFp8StaticTensorSym"), CPU, BIG, FP8_ON_CPU),  # a checkpoint's input_scale
         ("linear", "fp8_per_channel", H200, BIG, "native"),  # torch._scaled_mm, activation quant fused
-        ("linear", "fp8_per_block", CPU, BIG, "reference"),  # no block _scaled_mm on CPU; Triton only if named
+        ("linear", "fp8_per_block", CPU, BIG, FP8_ON_CPU),  # no block _scaled_mm on CPU; Triton only if named
         ("linear", "fp8_per_block", H200, BIG, "native"),  # cuBLASLt blockwise ahead of Triton (serialised rescale)
         ("linear", "fp8_per_block", B200, BIG, "triton"),  # torch's blockwise GEMM is SM90-only
         ("linear", "fp8_per_block", H200, Problem(n=4000, k=4096), "triton"),  # N % 128: torch refuses
@@ -57,7 +60,7 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("linear", "mxfp4", H200, BIG, "native"),  # emulated Triton ranks after dequantize + F.linear
         ("linear", "mxfp4", B200, BIG, "native"),  # MX x bf16 is emulated on SM100 too
         ("moe", "mxfp4", H200, MOE, "triton"),  # emulated, but ahead of the fp32 reference
-        ("linear", "mxfp8", CPU, BIG, "reference"),
+        ("linear", "mxfp8", CPU, BIG, FP8_ON_CPU),
         ("linear", "nvfp4", CPU, BIG, FP4_ON_CPU),
         ("linear", "nvfp4_weight_only", CPU, BIG, FP4_ON_CPU),
         ("linear", "mxfp4", CPU, BIG, FP4_ON_CPU),  # CPU_PRIORITY: then the reference, faster than native's decode
@@ -69,7 +72,8 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, has_bias=True), "triton"),
         ("moe", "mxfp8", H200, MOE, "triton"),
         ("moe", "fp8_per_block", H200, MOE, "triton"),
-        ("moe", "fp8_per_block", CPU, MOE, "reference"),
+        ("moe", "fp8_per_block", CPU, MOE, FP8_ON_CPU),  # the loop quantizes activations, the kernel multiplies
+        ("moe", "mxfp8", CPU, MOE, FP8_ON_CPU),
         ("moe", "nvfp4", H200, MOE, "reference"),
         ("linear", "fp8_per_channel", MI300, BIG, "reference"),  # HIP: only the reference until supported
         ("linear", "int4_weight_only", MI300, BIG, "reference"),
@@ -92,9 +96,10 @@ def test_int4_on_cpu_with_either_kernel(ours, monkeypatch):
     assert choose("linear", "int4_weight_only", CPU, Problem(n=40, k=4096)).backend == ("cpu" if ours else "native")
 
 
-def test_rejections_are_recorded_in_priority_order():
+def test_rejections_are_recorded_in_priority_order(monkeypatch):
+    monkeypatch.setenv("QUANTPASS_DISABLED_BACKENDS", "cpu")
     selection = choose("linear", "fp8_per_block", CPU)
-    assert list(selection.rejected) == ["native", "triton"]
+    assert list(selection.rejected) == ["cpu", "native", "triton"]
     assert selection.rejected["triton"] == "not chosen automatically on cpu (name it to use it)"
     assert "block" in selection.rejected["native"] or "CPU" in selection.rejected["native"]
 
@@ -103,7 +108,7 @@ def test_named_backend_wins_and_reasons_say_so():
     selection = choose("linear", "fp8_per_channel", CPU_INTERPRETER, backend="triton")
     assert (selection.backend, selection.reason) == ("triton", "named by the user")
     assert choose("linear", "fp8_per_channel", CPU, backend="native").backend == "native"
-    assert choose("linear", "fp8_per_channel", CPU, backend="auto").backend == "reference"
+    assert choose("linear", "fp8_per_channel", CPU, backend="auto").backend == FP8_ON_CPU
 
 
 def test_named_backend_that_cannot_run_raises_its_reason():
@@ -154,12 +159,12 @@ def test_disabled_backends_env(monkeypatch):
 
 
 def test_auto_with_nothing_left_lists_every_rejection(monkeypatch):
-    monkeypatch.setenv("QUANTPASS_DISABLED_BACKENDS", "native,reference")
+    monkeypatch.setenv("QUANTPASS_DISABLED_BACKENDS", "cpu,native,reference")
     with pytest.raises(NoKernelError) as err:
         choose("linear", "fp8_per_channel", CPU)
     message = str(err.value)
-    assert message.startswith("no backend can run linear kFp8StaticChannelSym/kFp8DynamicTokenSym on cpu: reference: ")
-    for name in ("native: disabled", "triton: not chosen automatically", "reference: disabled"):
+    assert message.startswith("no backend can run linear kFp8StaticChannelSym/kFp8DynamicTokenSym on cpu: cpu: ")
+    for name in ("cpu: disabled", "native: disabled", "triton: not chosen automatically", "reference: disabled"):
         assert name in message
 
 
@@ -195,8 +200,9 @@ def test_activation_override_resolution():
 
 def test_choice_logged_once_at_info_and_rejections_at_debug(caplog):
     caplog.set_level(logging.DEBUG, logger="quantpass")
-    choose("linear", "fp8_per_block", CPU)
-    choose("linear", "fp8_per_block", CPU, Problem(n=1024, k=1024))  # same choice, another shape
+    pair = (keys.kMxfp4Static, keys.kMxfp8Dynamic)  # triton (not on its own on CPU), then the reference
+    choose("linear", pair, CPU)
+    choose("linear", pair, CPU, Problem(n=1024, k=1024))  # same choice, another shape
     infos = [r for r in caplog.records if r.levelno == logging.INFO]
     debugs = [r for r in caplog.records if r.levelno == logging.DEBUG]
     assert len(infos) == 1 and "-> reference" in infos[0].message
@@ -225,7 +231,8 @@ def test_kernel_table_asks_each_kernel_per_device_in_priority_order():
     assert mxfp4["cuda sm90"] == mxfp4["cuda sm100"] == ["native", "triton", "reference"]  # emulated: after native
     mxfp8 = by_key[("linear", keys.kMxfp8Static, keys.kMxfp8Dynamic)]
     assert mxfp8["cuda sm100"][0] == "flashinfer" and "flashinfer" not in mxfp8["cuda sm90"]
-    assert by_key[("linear", keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym)]["cpu"] == ["reference", "native"]
+    fp8 = by_key[("linear", keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym)]["cpu"]
+    assert fp8 == ["cpu", "reference", "native"][FP8_ON_CPU != "cpu" :]
     assert all("reference" in backends for row in rows for backends in row["backends"].values())
 
 
@@ -263,7 +270,7 @@ def test_mx_x_mx_emulation_by_device_and_rows(capability, problem, emulated):
 def test_hip_devices_get_only_the_reference_with_a_reason():
     selection = choose("linear", "fp8_per_channel", MI300)
     assert selection.backend == "reference"
-    assert set(selection.rejected) == {"native", "triton"}
+    assert set(selection.rejected) == {"cpu", "native", "triton"}
     assert all(why == oracle.HIP_REFUSAL for why in selection.rejected.values())
     with pytest.raises(NoKernelError, match=r"can't run linear .* on cuda \(HIP\): HIP \(ROCm\) device"):
         choose("linear", "fp8_per_channel", MI300, backend="triton")

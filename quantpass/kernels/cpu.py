@@ -1,6 +1,7 @@
 """The `cpu` backend: weight-only CPU kernels for decode, dequantize + matmul above (and INT8 W8A8
 through the same kernels on fake-quantized activations); MXFP4 and NVFP4 (weight-only and W4A4) on
-quantpass's FP4 kernel (cpu_fp4.py), the `reference` backend above its largest M.
+quantpass's FP4 kernel (cpu_fp4.py) and every FP8 format on its FP8 kernel (cpu_fp8.py), the
+`reference` backend above their largest M (`FORMAT_KERNELS`).
 
 - On x86-64 CPUs with AVX2 (AVX-512 ones too: faster than aten's there as well, measured) and no
   AMX: quantpass's own kernels (cpu_avx2.py, csrc/linear_avx2.c). They read the quantized weight as
@@ -25,6 +26,7 @@ from __future__ import annotations
 import logging
 import platform
 import sys
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +37,7 @@ from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, 
 from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import KINDS
-from . import cpu_avx2, cpu_fp4, cpu_op, ops, reference, registry
+from . import cpu_avx2, cpu_fp4, cpu_fp8, cpu_op, ops, reference, registry
 from .reference import fake_quantize
 
 logger = logging.getLogger("quantpass")
@@ -46,6 +48,12 @@ KERNELS = {
     kInt4StaticGroup128Sym: ("_weight_int4pack_mm_for_cpu", "_convert_weight_to_int4pack_for_cpu"),
 }
 BITS = {kInt8StaticChannelSym: 8, kInt4StaticGroup128Sym: 4}
+# weight key -> the module of quantpass's kernel for its format family, each with the same interface:
+# MODES (weight key -> activation keys), MAX_M (the reference above), EXACT (whether activations it is
+# given are multiplied as they are: then MoE experts may take the loop's fake-quantized ones),
+# supports(weight, activation), linear(x, weight, activation, bias). They read the quantized weight as
+# it is (contiguous): nothing to prepare.
+FORMAT_KERNELS = {key: module for module in (cpu_fp4, cpu_fp8) for key in module.MODES}
 # INT8 W8A8 runs the same kernels on per-token fake-quantized activations: identical math to an
 # int8 x int8 GEMM with both scales in the epilogue, ~10x faster here than torch._int_mm
 # (bench/README.md, "Measurements behind choices in the code").
@@ -82,11 +90,15 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
         return False, f"no cpu kernel for site kind {kind!r}"
     if capability.device != "cpu":
         return False, f"aten's weight-only CPU kernels run on cpu, not {capability.device}"
-    if weight in cpu_fp4.MODES:
-        if kind == Kind.MOE and activation is not None:
-            return False, f"the per-expert loop runs FP4 weight-only; {activation} activations go to the reference"
-        ok, reason = cpu_fp4.supports(weight, activation)
-        return ok, ("per-expert loop: " if kind == Kind.MOE else "") + reason
+    family = FORMAT_KERNELS.get(weight)
+    if family is not None:
+        if kind == Kind.MOE and activation is not None and not family.EXACT:
+            return False, f"the per-expert loop runs {weight} weight-only; {activation} activations go to the reference"
+        if kind != Kind.MOE:
+            return family.supports(weight, activation)
+        ok, reason = family.supports(weight, None)  # the loop quantizes the activations, as the reference's
+        by_loop = "" if activation is None else f"{activation} activations by the loop, "
+        return ok, f"per-expert loop: {by_loop}{reason}"
     if activation not in ACTIVATIONS.get(weight, (None,)):
         return False, f"no CPU kernel for weight {weight} with activation {activation}"
     loop = "per-expert loop: " if kind == Kind.MOE else ""
@@ -113,8 +125,8 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
 
 def kernel_max_m(weight: QTensor) -> int:
     """Largest M that runs a kernel for this prepared weight (above: dequantize + matmul)."""
-    if weight.key in cpu_fp4.MODES:
-        return cpu_fp4.MAX_M
+    if weight.key in FORMAT_KERNELS:
+        return FORMAT_KERNELS[weight.key].MAX_M
     if _on_our_kernel(weight):
         return OURS_MAX_M[weight.key]
     if weight.key == kInt4StaticGroup128Sym and _int4_layout() is None:
@@ -129,8 +141,8 @@ def prepare_weight(kind: str, weight: QTensor) -> QTensor:
     the CPU packed layout, scale [Kp/128, N, 2] = (scale, 0) in the weight's dtype. One copy either
     way: the large-M path dequantizes per call.
     """
-    if weight.key in cpu_fp4.MODES:
-        return cpu_fp4.prepare(weight)
+    if weight.key in FORMAT_KERNELS:
+        return weight.contiguous()
     if weight.key not in KERNELS:
         raise ValueError(f"cpu backend can't prepare {weight.key}; valid: {', '.join(sorted(map(str, KERNELS)))}")
     if _is_aten_layout(weight):
@@ -154,8 +166,8 @@ def prepare_moe_weights(w13: QTensor, w2: QTensor, gate_up_layout: GateUpLayout)
 
 
 def _prepare_experts(weight: QTensor) -> QTensor:
-    if weight.key in cpu_fp4.MODES:
-        return cpu_fp4.prepare(weight)
+    if weight.key in FORMAT_KERNELS:
+        return weight.contiguous()
     if _is_aten_layout(weight[0]):
         return weight
     if cpu_avx2.available()[0]:
@@ -178,11 +190,12 @@ def _expert_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
 def linear(x: torch.Tensor, weight: QTensor, activation, bias: torch.Tensor | None) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T (+ bias) -> [M, N] in x.dtype. Unprepared weights are prepared per
     call (correct; a copy per call where aten's layout is needed): the graph path prepares once.
-    MXFP4 / NVFP4: the FP4 kernel up to its largest M, the reference's dequantize + matmul above."""
-    if weight.key in cpu_fp4.MODES:
-        if x.shape[0] > cpu_fp4.MAX_M:
+    FP4 and FP8 formats: their kernel up to its largest M, the reference's dequantize + matmul above."""
+    family = FORMAT_KERNELS.get(weight.key)
+    if family is not None:
+        if x.shape[0] > family.MAX_M:
             return reference.linear(x, weight, activation, bias)
-        return cpu_fp4.linear(x, weight, activation, bias)  # it reads any layout prepare() would pass
+        return family.linear(x, weight, activation, bias)  # it reads any layout prepare() would pass
     if activation not in ACTIVATIONS.get(weight.key, (None,)):
         raise ValueError(f"the cpu backend has no kernel for weight {weight.key} with activation {activation}")
     if activation is not None:
@@ -211,10 +224,8 @@ def _our_kernel(x: torch.Tensor, weight: QTensor, bias: torch.Tensor | None) -> 
 
 def _contiguous(weight: QTensor) -> QTensor:
     """Our kernels' layout: the quantized weight, contiguous, fp32 scales (no copy when it is so)."""
-    data, scale = weight.data.contiguous(), weight.scale.to(torch.float32).contiguous()
-    if data is weight.data and scale is weight.scale:
-        return weight
-    return QTensor(data, scale, None, weight.key, weight.shape, weight.dtype)
+    weight = weight.contiguous()
+    return weight if weight.scale.dtype == torch.float32 else replace(weight, scale=weight.scale.float())
 
 
 def _large_m_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -281,7 +292,7 @@ def _on_our_kernel(weight: QTensor) -> bool:
 _LIBRARY = torch.library.Library("quantpass", "FRAGMENT")
 _LIBRARY.define(
     "linear_cpu(Tensor x, Tensor w_data, Tensor w_scale, Tensor? w_scale2, Tensor? bias, str weight_key, "
-    "str activation_key, str backend, SymInt out_features) -> Tensor"
+    "str activation_key, str backend, SymInt out_features, Tensor? input_scale=None) -> Tensor"
 )
 _FAST = {str(key): (BITS[key], cpu_avx2.MODES[ACTIVATION_MODES[key][0]], OURS_MAX_M[key]) for key in ACTIVATION_MODES}
 
@@ -299,7 +310,9 @@ def graph_linear_op(device_type: str):
 graph_moe_op = registry.no_graph_op  # MoE goes through the generic quantpass::fused_moe
 
 
-def _graph_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):
+def _graph_linear(
+    x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features, input_scale=None
+):
     """Our kernel straight from the graph where it applies (weight-only, our layout, M in range, dtypes
     the kernel reads); anything else through `linear`, as `quantpass::linear` would. At decode this
     body runs once per linear per token, right after the previous kernel streamed megabytes of weights
@@ -332,7 +345,9 @@ def _graph_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key
                 if status:
                     raise cpu_avx2.scratch_error(status)
                 return out
-    return ops.run_linear(linear, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features)
+    return ops.run_linear(
+        linear, x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, out_features, input_scale
+    )
 
 
 _LIBRARY.impl("linear_cpu", _graph_linear, "CPU")

@@ -169,6 +169,26 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     return lib, True, f"quantpass's AVX2 kernels ({reason})"
 
 
+def format_kernel(source: Path, function: str, argtypes: tuple, name: str):
+    """The loader of one format family's kernel library (cpu_fp4.py, cpu_fp8.py): a cached function
+    returning (library, ok, reason), the library built on its first call with `function`'s C
+    signature set; `name` ("FP8") for messages. It runs where this module's kernels run."""
+
+    @functools.cache
+    def library() -> tuple[ctypes.CDLL | None, bool, str]:
+        ok, reason = available()  # the same CPUs, settings and compiler
+        if not ok:
+            return None, False, reason
+        lib, reason = load(source, f"{name} runs on the reference")
+        if lib is None:
+            return None, False, reason
+        entry = getattr(lib, function)
+        entry.argtypes, entry.restype = argtypes, ctypes.c_int
+        return lib, True, f"quantpass's AVX2 {name} kernel ({reason})"
+
+    return library
+
+
 def load(source: Path, fallback: str) -> tuple[ctypes.CDLL | None, str]:
     """(the library built from `source` with the system C compiler, its file name), or (None, why
     not), with a warning saying what runs instead (`fallback`) when the build fails."""

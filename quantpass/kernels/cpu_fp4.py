@@ -37,9 +37,11 @@ MODES = {
     kNvfp4Static: {None: "int8 activations per 16", kNvfp4Dynamic: "NVFP4 activations, exact integer products"},
 }
 MAX_M = 256  # the kernel 1.2-1.4x the reference at M=256 on a 4096x4096 weight, 2-2.6x at 128 (bench/README.md)
+EXACT = False  # weight-only activations are quantized to int8 per block
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ACTS = {None: 0, kNvfp4Dynamic: 1}  # csrc's INT8_BLOCKS, NVFP4
 _ARGS = (P, I64, I32, I64, I64, I32, P, F32, P, P, P, I32, I64, I64, F32, P, I32, P, I64, I32, I32)  # qp_linear_fp4
+_library = cpu_avx2.format_kernel(SOURCE, "qp_linear_fp4", _ARGS, "FP4")
 
 
 def supports(weight, activation) -> tuple[bool, str]:
@@ -55,14 +57,6 @@ def supports(weight, activation) -> tuple[bool, str]:
 def available() -> tuple[bool, str]:
     """(ok, reason): whether this process can run the kernel; builds it on the first call."""
     return _library()[1:]
-
-
-def prepare(weight: QTensor) -> QTensor:
-    """The kernel's layout: the quantized weight itself, contiguous (no copy when it is so)."""
-    data, scale = weight.data.contiguous(), weight.scale.contiguous()
-    if data is weight.data and scale is weight.scale:
-        return weight
-    return QTensor(data, scale, weight.scale2, weight.key, weight.shape, weight.dtype, weight.input_scale)
 
 
 def linear(
@@ -96,7 +90,7 @@ def linear(
     bias = None if bias is None else bias.contiguous()
     status = lib.qp_linear_fp4(
         x.data_ptr(), x.stride(0), cpu_avx2.DTYPES[x.dtype], x.shape[0], x.shape[1],
-        ACTS[activation], fp4_code_table().data_ptr(), AMAX_EPS, data.data_ptr(), scale.data_ptr(), _scale_table(weight.key.scale.dtype).data_ptr(), block, rows, kp, g,
+        ACTS[activation], fp4_code_table().data_ptr(), AMAX_EPS, data.data_ptr(), scale.data_ptr(), scale_table(weight.key.scale.dtype).data_ptr(), block, rows, kp, g,
         None if bias is None else bias.data_ptr(), 0 if bias is None else cpu_avx2.DTYPES[bias.dtype],
         out.data_ptr(), out.shape[-1], cpu_avx2.DTYPES[out.dtype], torch.get_num_threads(),
     )  # fmt: skip
@@ -108,22 +102,10 @@ def linear(
 
 
 @functools.cache
-def _scale_table(dtype: torch.dtype) -> torch.Tensor:
+def scale_table(dtype: torch.dtype) -> torch.Tensor:
     """fp32 value of each scale byte: e8m0 (2^(b - 127), 255 is NaN) or e4m3."""
     if dtype == E8M0:
         table = torch.exp2(torch.arange(256, dtype=torch.float32) - 127)
         table[255] = float("nan")
         return table
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
-
-
-@functools.cache
-def _library() -> tuple[ctypes.CDLL | None, bool, str]:
-    ok, reason = cpu_avx2.available()  # the same CPUs, settings and compiler
-    if not ok:
-        return None, False, reason
-    lib, reason = cpu_avx2.load(SOURCE, "FP4 runs on the reference")
-    if lib is None:
-        return None, False, reason
-    lib.qp_linear_fp4.argtypes, lib.qp_linear_fp4.restype = _ARGS, ctypes.c_int
-    return lib, True, f"quantpass's AVX2 FP4 kernel ({reason})"

@@ -36,7 +36,9 @@ SOURCE = cpu_avx2.CSRC / "linear_op.cpp"
 FLAGS = ("-O2", "-std=c++20", "-shared", "-fPIC")
 
 
-def fake_linear(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features):
+def fake_linear(
+    x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, out_features, input_scale=None
+):
     """Both graph ops' output, for tracing."""
     return x.new_empty((*x.shape[:-1], out_features))
 

@@ -36,40 +36,41 @@ Pair = tuple[QuantKey, "QuantKey | None"]
 
 # fmt: off
 LINEAR_CANDIDATES: dict[Pair, list[str]] = {
-    (k.kFp8StaticTensorSym,    k.kFp8DynamicTensorSym): ["native", "triton", "reference"],
-    (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["native", "triton", "reference"],
-    (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["native", "triton", "reference"],
-    (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "native", "triton", "reference"],
+    (k.kFp8StaticTensorSym,    k.kFp8DynamicTensorSym): ["native", "triton", "cpu", "reference"],
+    (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["native", "triton", "cpu", "reference"],
+    (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["native", "triton", "cpu", "reference"],
+    (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "native", "triton", "cpu", "reference"],
     (k.kMxfp4Static,           None):                   ["triton", "native", "cpu", "reference"],
     (k.kMxfp4Static,           k.kMxfp8Dynamic):        ["triton", "reference"],
     (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["native", "cpu", "reference"],
     (k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym): ["cpu", "native", "triton", "reference"],
-    (k.kFp8StaticChannelSym,   None):                   ["triton", "native", "reference"],
+    (k.kFp8StaticChannelSym,   None):                   ["triton", "native", "cpu", "reference"],
     (k.kInt8StaticChannelSym,  None):                   ["cpu", "triton", "native", "reference"],
     (k.kInt4StaticGroup128Sym, None):                   ["cpu", "triton", "native", "reference"],
     (k.kNvfp4Static,           None):                   ["triton", "native", "cpu", "reference"],
-    # static activation scales (a pre-quantized checkpoint's input_scale): the reference backend only
-    (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["reference"],
+    # static activation scales (a pre-quantized checkpoint's input_scale): the reference backend, and
+    # on CPU the FP8 kernel (it multiplies the reference's activations)
+    (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["cpu", "reference"],
     (k.kNvfp4Static,           k.kNvfp4CalibratedGlobal): ["reference"],
-    (k.kFp8Static128BlockSym,  None):                     ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
+    (k.kFp8Static128BlockSym,  None):                     ["cpu", "reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 
 MOE_CANDIDATES: dict[Pair, list[str]] = {
-    (k.kFp8StaticTensorSym,    k.kFp8DynamicTensorSym): ["triton", "reference"],
-    (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["triton", "reference"],
-    (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["triton", "reference"],
-    (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "triton", "reference"],
+    (k.kFp8StaticTensorSym,    k.kFp8DynamicTensorSym): ["triton", "cpu", "reference"],
+    (k.kFp8StaticChannelSym,   k.kFp8DynamicTokenSym):  ["triton", "cpu", "reference"],
+    (k.kFp8Static128BlockSym,  k.kFp8Dynamic128Sym):    ["triton", "cpu", "reference"],
+    (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "triton", "cpu", "reference"],
     (k.kMxfp4Static,           None):                   ["triton", "cpu", "reference"],
     (k.kMxfp4Static,           k.kMxfp8Dynamic):        ["triton", "reference"],
     (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["reference"],
     (k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym): ["triton", "cpu", "reference"],
-    (k.kFp8StaticChannelSym,   None):                   ["triton", "reference"],
+    (k.kFp8StaticChannelSym,   None):                   ["triton", "cpu", "reference"],
     (k.kInt8StaticChannelSym,  None):                   ["triton", "native", "cpu", "reference"],
     (k.kInt4StaticGroup128Sym, None):                   ["triton", "cpu", "reference"],
     (k.kNvfp4Static,           None):                   ["triton", "cpu", "reference"],
-    (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["reference"],
+    (k.kFp8StaticTensorSym,    k.kFp8StaticTensorSym):    ["cpu", "reference"],
     (k.kNvfp4Static,           k.kNvfp4CalibratedGlobal): ["reference"],
-    (k.kFp8Static128BlockSym,  None):                     ["reference"],  # ModelOpt FP8_PB_WO (weight-only)
+    (k.kFp8Static128BlockSym,  None):                     ["cpu", "reference"],  # ModelOpt FP8_PB_WO (weight-only)
 }
 # fmt: on
 CANDIDATES = {Kind.LINEAR: LINEAR_CANDIDATES, Kind.MOE: MOE_CANDIDATES}
@@ -78,7 +79,9 @@ CANDIDATES = {Kind.LINEAR: LINEAR_CANDIDATES, Kind.MOE: MOE_CANDIDATES}
 # matrix units: torch._scaled_mm emulates and ran at the reference's speed (bench/README.md,
 # "Measurements behind choices in the code"), while tracing native's activation
 # quantization into every graph made the dense preset compile 1.5x plain Inductor (the opaque
-# reference op: 1.0x). MXFP4 and NVFP4: the cpu backend's FP4 kernel (kernels/cpu_fp4.py; 55x
+# reference op: 1.0x); every FP8 pair runs first on the cpu backend's FP8 kernel (kernels/cpu_fp8.py:
+# 29-52x the reference at M=1 on a 4096x4096 weight, 1.4-2.5x at M=64, bench/README.md "FP8 on
+# CPU"), the reference above its largest M. MXFP4 and NVFP4: the cpu backend's FP4 kernel (kernels/cpu_fp4.py; 55x
 # the reference at M=1 on a 4096x4096 weight, 1.2-1.4x at M=256), then the reference; native's traced e2m1
 # decode ran 1.3x slower than the reference's at M=1 (even at M=32), compiled 4x slower, and kept ~10
 # weight-sized temporaries per call without Inductor (bench/README.md, "Measurements behind choices
@@ -86,11 +89,21 @@ CANDIDATES = {Kind.LINEAR: LINEAR_CANDIDATES, Kind.MOE: MOE_CANDIDATES}
 # fmt: off
 CPU_PRIORITY = {
     Kind.LINEAR: {
-        (k.kFp8StaticTensorSym,  k.kFp8DynamicTensorSym): ["reference", "native", "triton"],
-        (k.kFp8StaticChannelSym, k.kFp8DynamicTokenSym):  ["reference", "native", "triton"],
-        (k.kMxfp4Static,         None):                   ["cpu", "reference", "native", "triton"],
-        (k.kNvfp4Static,         None):                   ["cpu", "reference", "native", "triton"],
-        (k.kNvfp4Static,         k.kNvfp4Dynamic):        ["cpu", "reference", "native"],
+        (k.kFp8StaticTensorSym,   k.kFp8DynamicTensorSym): ["cpu", "reference", "native", "triton"],
+        (k.kFp8StaticChannelSym,  k.kFp8DynamicTokenSym):  ["cpu", "reference", "native", "triton"],
+        (k.kFp8Static128BlockSym, k.kFp8Dynamic128Sym):    ["cpu", "native", "triton", "reference"],
+        (k.kMxfp8Static,          k.kMxfp8Dynamic):        ["cpu", "flashinfer", "native", "triton", "reference"],
+        (k.kFp8StaticChannelSym,  None):                   ["cpu", "triton", "native", "reference"],
+        (k.kMxfp4Static,          None):                   ["cpu", "reference", "native", "triton"],
+        (k.kNvfp4Static,          None):                   ["cpu", "reference", "native", "triton"],
+        (k.kNvfp4Static,          k.kNvfp4Dynamic):        ["cpu", "reference", "native"],
+    },
+    Kind.MOE: {
+        (k.kFp8StaticTensorSym,   k.kFp8DynamicTensorSym): ["cpu", "triton", "reference"],
+        (k.kFp8StaticChannelSym,  k.kFp8DynamicTokenSym):  ["cpu", "triton", "reference"],
+        (k.kFp8Static128BlockSym, k.kFp8Dynamic128Sym):    ["cpu", "triton", "reference"],
+        (k.kMxfp8Static,          k.kMxfp8Dynamic):        ["cpu", "flashinfer", "triton", "reference"],
+        (k.kFp8StaticChannelSym,  None):                   ["cpu", "triton", "reference"],
     },
 }
 # fmt: on

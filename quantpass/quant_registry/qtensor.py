@@ -62,6 +62,13 @@ class QTensor:
         shape = torch.Size((*self.shape[:-2], stop - start, self.shape[-1]))
         return QTensor(self.data[..., start:stop, :], scale, self.scale2, self.key, shape, self.dtype, self.input_scale)
 
+    def contiguous(self) -> QTensor:
+        """Itself where data and scale are contiguous, else a QTensor with contiguous copies of them."""
+        data, scale = self.data.contiguous(), self.scale.contiguous()
+        if data is self.data and scale is self.scale:
+            return self
+        return QTensor(data, scale, self.scale2, self.key, self.shape, self.dtype, self.input_scale)
+
     def to(self, device) -> QTensor:
         moved = [None if t is None else t.to(device) for t in (*self.tensors(), self.input_scale)]
         return QTensor(*moved[:3], key=self.key, shape=self.shape, dtype=self.dtype, input_scale=moved[3])

@@ -54,6 +54,44 @@ static uint8_t *scratch(size_t bytes, int *fresh) {
   return kept;
 }
 
+/* Tiled kernels (linear_fp4.c, linear_fp8.c): a tile multiplies weight rows r0 .. r0 + R - 1 by activation rows
+ * m0 .. m0 + MB - 1 (MB <= MB_MAX) into res[m * R + r]; `tile_rows` runs them over a range of weight rows and
+ * writes each result r as out[m * ldo + n] = r * g + bias[n] (`outputs`, the first member of the kernel's
+ * problem: `p` is both). */
+#define MB_MAX 4
+typedef void (*mb_tile_fn)(const void *p, int64_t r0, int64_t m0, float *res);
+typedef struct {
+  int64_t M, ldo;
+  int otype, btype;
+  float g;
+  const void *bias;
+  void *out;
+} outputs;
+
+/* Weight rows n0 .. n1 - 1, 8 at a time (in cache while M repeats them), activation rows MB_MAX at a time: per
+ * mb activation rows, `wide[mb - 1]` tiles of `wide_rows[mb - 1]` weight rows, `one[mb - 1]` (1 row) for the rest. */
+static inline void tile_rows(const void *p, const mb_tile_fn *wide, const mb_tile_fn *one, const int *wide_rows,
+                             int64_t n0, int64_t n1) {
+  const outputs *o = p;
+  float res[4 * MB_MAX];
+  for (int64_t nb = n0; nb < n1; nb += 8) {
+    const int64_t ne = nb + 8 < n1 ? nb + 8 : n1;
+    for (int64_t m = 0; m < o->M; m += MB_MAX) {
+      const int mb = o->M - m < MB_MAX ? (int)(o->M - m) : MB_MAX, step = wide_rows[mb - 1];
+      for (int64_t n = nb; n < ne;) {
+        const int r = n + step <= ne ? step : 1;
+        (r == step ? wide : one)[mb - 1](p, n, m, res);
+        for (int i = 0; i < mb; i++)
+          for (int j = 0; j < r; j++) {
+            const float b = o->bias ? to_f32(o->bias, o->btype, n + j) : 0.0f;
+            store(o->out, o->otype, (m + i) * o->ldo + n + j, res[i * r + j] * o->g + b);
+          }
+        n += r;
+      }
+    }
+  }
+}
+
 /* `rows(p, n0, n1)` over N weight rows of kp weights each, on up to `threads` OpenMP threads (the libgomp
  * torch loaded): contiguous ranges that start on multiples of 16 rows, so no two threads write one 64-byte
  * line of fp32 output and each streams its own part of the weights; one thread below 2^18 weights each

@@ -31,21 +31,18 @@
 #include "cpu_common.h"
 
 #define CHUNK 32                         /* weight bytes (64 codes) per step */
-#define MB_MAX 4                         /* activation rows per pass over a weight row */
 
 enum { INT8_BLOCKS = 0, NVFP4 = 1 }; /* `act` */
 static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 typedef struct {
-  int64_t M, N, K, kp, row_bytes, chunks, full_chunks, blocks, ldo, act_stride;
-  int block, otype, btype, act;
+  outputs o; /* g: the weight's per-tensor scale, with x's for NVFP4 activations */
+  int64_t N, K, kp, row_bytes, chunks, full_chunks, blocks, act_stride;
+  int block, act;
   float eps, scale2; /* NVFP4 activations: formats.AMAX_EPS, x's per-tensor scale */
   const uint8_t *w, *ws, *codes;
   const float *lut;
-  float g;
   const int8_t *acts; /* per activation row: even codes [chunks * 32], odd codes [chunks * 32], lane scales [chunks * 8] fp32 */
-  const void *bias;
-  void *out;
 } problem;
 
 /* The block each of a chunk's 8 int32 lanes sums (lane i: bytes 4i .. 4i + 3, codes 64c + 8i ..), or -1 past the row. */
@@ -123,7 +120,7 @@ static void prepare_row(const problem *p, const void *x, int xtype, int8_t *dst)
     }
 }
 
-/* Weight rows r0 .. r0 + R - 1 times activation rows m0 .. m0 + MB - 1 -> res[m * R + r] (without g). */
+/* Weight rows r0 .. r0 + R - 1 times activation rows m0 .. m0 + MB - 1 -> res[m * R + r] (without g): a tile. */
 INLINE void tile(const problem *p, int64_t r0, int64_t m0, int R, int MB, float *res) {
   const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)E2M1_X2));
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -179,32 +176,12 @@ INLINE void tile(const problem *p, int64_t r0, int64_t m0, int R, int MB, float 
 
 /* One function per (R, MB): the tile's loops unrolled with its registers. */
 #define TILE(R, MB) \
-  static void tile_##R##_##MB(const problem *p, int64_t r0, int64_t m0, float *res) { tile(p, r0, m0, R, MB, res); }
+  static void tile_##R##_##MB(const void *p, int64_t r0, int64_t m0, float *res) { tile(p, r0, m0, R, MB, res); }
 TILE(4, 1) TILE(2, 2) TILE(2, 3) TILE(2, 4) TILE(1, 1) TILE(1, 2) TILE(1, 3) TILE(1, 4)
-typedef void (*tile_fn)(const problem *, int64_t, int64_t, float *);
-static const tile_fn WIDE[MB_MAX] = {tile_4_1, tile_2_2, tile_2_3, tile_2_4}, ONE[MB_MAX] = {tile_1_1, tile_1_2, tile_1_3, tile_1_4};
+static const mb_tile_fn WIDE[MB_MAX] = {tile_4_1, tile_2_2, tile_2_3, tile_2_4}, ONE[MB_MAX] = {tile_1_1, tile_1_2, tile_1_3, tile_1_4};
 static const int WIDE_ROWS[MB_MAX] = {4, 2, 2, 2};
 
-static void rows(const void *arg, int64_t n0, int64_t n1) {
-  const problem *p = arg;
-  float res[4 * MB_MAX];
-  for (int64_t nb = n0; nb < n1; nb += 8) { /* 8 weight rows at a time: in cache while M repeats them */
-    const int64_t ne = nb + 8 < n1 ? nb + 8 : n1;
-    for (int64_t m = 0; m < p->M; m += MB_MAX) {
-      const int mb = p->M - m < MB_MAX ? (int)(p->M - m) : MB_MAX, step = WIDE_ROWS[mb - 1];
-      for (int64_t n = nb; n < ne;) {
-        const int r = n + step <= ne ? step : 1;
-        (r == step ? WIDE : ONE)[mb - 1](p, n, m, res);
-        for (int i = 0; i < mb; i++)
-          for (int j = 0; j < r; j++) {
-            const float b = p->bias ? to_f32(p->bias, p->btype, n + j) : 0.0f;
-            store(p->out, p->otype, (m + i) * p->ldo + n + j, res[i * r + j] * p->g + b);
-          }
-        n += r;
-      }
-    }
-  }
-}
+static void rows(const void *p, int64_t n0, int64_t n1) { tile_rows(p, WIDE, ONE, WIDE_ROWS, n0, n1); }
 
 /* Bytes of scratch a call needs: per activation row, even and odd codes, then 8 fp32 lane scales per chunk. */
 int64_t qp_fp4_scratch_bytes(int64_t M, int64_t kp) {
@@ -222,10 +199,10 @@ int qp_linear_fp4(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, i
                   float eps, const uint8_t *w, const uint8_t *ws, const float *lut, int block, int64_t N, int64_t kp,
                   float g, const void *bias, int btype, void *out, int64_t ldo, int otype, int threads) {
   if ((block != 16 && block != 32) || kp % block || (act == NVFP4 && block != 16)) return -2;
-  problem p = {.M = M, .N = N, .K = K, .kp = kp, .row_bytes = kp / 2, .chunks = (kp / 2 + CHUNK - 1) / CHUNK,
-               .full_chunks = kp / 64, .blocks = kp / block, .ldo = ldo, .block = block, .otype = otype,
-               .btype = btype, .act = act, .eps = eps, .w = w, .ws = ws, .codes = codes, .lut = lut, .g = g,
-               .bias = bias, .out = out};
+  problem p = {.o = {.M = M, .ldo = ldo, .otype = otype, .btype = btype, .g = g, .bias = bias, .out = out},
+               .N = N, .K = K, .kp = kp, .row_bytes = kp / 2, .chunks = (kp / 2 + CHUNK - 1) / CHUNK,
+               .full_chunks = kp / 64, .blocks = kp / block, .block = block, .act = act, .eps = eps, .w = w,
+               .ws = ws, .codes = codes, .lut = lut};
   if (act == NVFP4) { /* x's per-tensor scale: max|x| (at least eps) / (448 * 6), as torchao's */
     float amax = 0.0f;
     int finite = 1;
@@ -236,7 +213,7 @@ int qp_linear_fp4(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, i
         amax = v > amax ? v : amax;
       }
     p.scale2 = (amax > eps ? amax : eps) / 2688.0f;
-    p.g = finite ? g * p.scale2 * 0.5f : NAN; /* x's codes are its e2m1 values x 2 too */
+    p.o.g = finite ? g * p.scale2 * 0.5f : NAN; /* x's codes are its e2m1 values x 2 too */
   }
   p.act_stride = p.chunks * (2 * CHUNK + 32);
   const size_t bytes = (size_t)qp_fp4_scratch_bytes(M, kp);

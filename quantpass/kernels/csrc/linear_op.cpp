@@ -3,8 +3,9 @@
 //
 // Built and loaded at run time by quantpass/kernels/cpu_op.py against the running torch's headers
 // (only the few this file names, so it builds in seconds). The schema is the one of
-// quantpass::linear_cpu (defined in Python, kernels/cpu.py); where the fast path does not apply
-// (an activation key, M above the format's limit, a layout or dtype the kernels don't read), this op
+// quantpass::linear_cpu (defined in Python, kernels/cpu.py), quantpass::linear's arguments (input_scale:
+// a static activation key's); where the fast path does not apply (an activation key, M above the
+// format's limit, a format other than INT8/INT4, a layout or dtype the kernels don't read), this op
 // calls quantpass::linear_cpu itself, so both ops always give the same result.
 //
 // `quantpass::_cpu_op_setup` hands over, once, the kernel's entry point (qp_linear's address) and
@@ -54,19 +55,21 @@ void setup(int64_t address, std::vector<std::string> keys, std::vector<int64_t> 
 at::Tensor generic(const at::Tensor &x, const at::Tensor &w_data, const at::Tensor &w_scale,
                    const std::optional<at::Tensor> &w_scale2, const std::optional<at::Tensor> &bias,
                    c10::string_view weight_key, c10::string_view activation_key, c10::string_view backend,
-                   c10::SymInt out_features) {
+                   c10::SymInt out_features, const std::optional<at::Tensor> &input_scale) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("quantpass::linear_cpu", "")
                              .typed<at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &,
                                                const std::optional<at::Tensor> &, const std::optional<at::Tensor> &,
-                                               c10::string_view, c10::string_view, c10::string_view, c10::SymInt)>();
-  return op.call(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, std::move(out_features));
+                                               c10::string_view, c10::string_view, c10::string_view, c10::SymInt,
+                                               const std::optional<at::Tensor> &)>();
+  return op.call(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend, std::move(out_features),
+                 input_scale);
 }
 
 at::Tensor linear(const at::Tensor &x, const at::Tensor &w_data, const at::Tensor &w_scale,
                   const std::optional<at::Tensor> &w_scale2, const std::optional<at::Tensor> &bias,
                   c10::string_view weight_key, c10::string_view activation_key, c10::string_view backend,
-                  c10::SymInt out_features_sym) {
+                  c10::SymInt out_features_sym, const std::optional<at::Tensor> &input_scale) {
   const int64_t out_features = out_features_sym.expect_int();
   const auto found = entry && activation_key.empty() ? fast.find(std::string(weight_key)) : fast.end();
   const int xtype = type_code(x.scalar_type()), btype = bias ? type_code(bias->scalar_type()) : 0;
@@ -90,7 +93,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w_data, const at::Tenso
     }
   }
   return generic(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend,
-                 c10::SymInt(out_features));
+                 c10::SymInt(out_features), input_scale);
 }
 
 }  // namespace
@@ -98,7 +101,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w_data, const at::Tenso
 TORCH_LIBRARY_FRAGMENT(quantpass, m) {
   m.def(
       "linear_cpu_cxx(Tensor x, Tensor w_data, Tensor w_scale, Tensor? w_scale2, Tensor? bias, str weight_key, "
-      "str activation_key, str backend, SymInt out_features) -> Tensor");
+      "str activation_key, str backend, SymInt out_features, Tensor? input_scale=None) -> Tensor");
   m.def("_cpu_op_setup(int address, str[] keys, int[] bits, int[] modes, int[] most) -> ()", &setup);
 }
 

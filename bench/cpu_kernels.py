@@ -1,15 +1,16 @@
-"""MXFP4 / NVFP4 on CPU: quantpass's FP4 kernel (kernels/cpu_fp4.py) against the `reference`
-backend, which ran these formats on CPU before it, side by side in one process.
+"""FP4 and FP8 on CPU: quantpass's FP4 kernel (kernels/cpu_fp4.py: MXFP4, NVFP4) or FP8 kernel
+(kernels/cpu_fp8.py: every FP8 format) against the `reference` backend, which ran these formats on
+CPU before them, side by side in one process. (Until 2026-12-01 evening this was bench/cpu_fp4.py.)
 
-    python bench/cpu_fp4.py                                  # 1 thread, M = 1 .. 256
-    python bench/cpu_fp4.py --threads 2 --ms 1 4 --rounds 9
+    python bench/cpu_kernels.py fp4                          # 1 thread, M = 1 .. 256
+    python bench/cpu_kernels.py fp8 --threads 2 --ms 1 4 --rounds 9
 
 Method: 8 distinct 4096x4096 bf16 weights quantized once per format, used in rotation so every call
-reads its weight from DRAM (8 x 8.4-9 MiB > the 48 MiB L3 here); x bf16 [M, 4096]; one call per
+reads its weight from DRAM (8 x 8.4-17 MiB > the 48 MiB L3 here); x bf16 [M, 4096]; one call per
 weight per round, rounds interleaved (ours, reference, ours, ...), medians and spread (min-max) of
 the per-call time over rounds, wall clock. GB/s: the quantized weight's bytes (codes + scales) per
-call time. The kernel's largest M (`cpu_fp4.MAX_M`, above it the cpu backend calls the reference)
-comes from this table. Writes `cpu_fp4.csv` to --out (default $OUT or bench/out/).
+call time. Each kernel's largest M (`MAX_M`, above it the cpu backend calls the reference) comes
+from this table. Writes `cpu_<family>.csv` to --out (default $OUT or bench/out/).
 """
 
 from __future__ import annotations
@@ -24,19 +25,28 @@ from pathlib import Path
 import torch
 from results import interleaved, utc_stamp, write_csv  # bench/results.py (scripts run from bench/)
 
-from quantpass.kernels import cpu_fp4, reference
+from quantpass.kernels import cpu_fp4, cpu_fp8, reference
 from quantpass.quant_registry import keys, quantize
 
-FORMATS = {  # name -> (weight key, activation key)
-    "mxfp4": (keys.kMxfp4Static, None),
-    "nvfp4_weight_only": (keys.kNvfp4Static, None),
-    "nvfp4 (W4A4)": (keys.kNvfp4Static, keys.kNvfp4Dynamic),
-}
+FAMILIES = {  # family -> (kernel module, {format name: (weight key, activation key)})
+    "fp4": (cpu_fp4, {
+        "mxfp4": (keys.kMxfp4Static, None),
+        "nvfp4_weight_only": (keys.kNvfp4Static, None),
+        "nvfp4 (W4A4)": (keys.kNvfp4Static, keys.kNvfp4Dynamic),
+    }),
+    "fp8": (cpu_fp8, {
+        "fp8_weight_only": (keys.kFp8StaticChannelSym, None),
+        "fp8_per_channel": (keys.kFp8StaticChannelSym, keys.kFp8DynamicTokenSym),
+        "fp8_per_block": (keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym),
+        "mxfp8": (keys.kMxfp8Static, keys.kMxfp8Dynamic),
+    }),
+}  # fmt: skip
 LAYERS, SIZE = 8, 4096
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("family", choices=FAMILIES)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
     parser.add_argument("--rounds", type=int, default=5)
@@ -47,18 +57,19 @@ def parse_args():
 def main() -> None:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    ok, reason = cpu_fp4.available()
+    kernel, formats = FAMILIES[args.family]
+    ok, reason = kernel.available()
     if not ok:
-        raise SystemExit(f"quantpass's FP4 CPU kernel can't run here: {reason}")
+        raise SystemExit(f"quantpass's {args.family} CPU kernel can't run here: {reason}")
     rows = []
-    for name, (weight_key, activation) in FORMATS.items():
+    for name, (weight_key, activation) in formats.items():
         gen = torch.Generator().manual_seed(0)
         weights = [quantize(torch.randn(SIZE, SIZE, generator=gen).bfloat16(), weight_key) for _ in range(LAYERS)]
         nbytes = weights[0].nbytes
         for m in args.ms:
             x = torch.randn(m, SIZE, generator=gen).bfloat16()
             cases = {  # the reference on 2 of the weights: ~75 ms per call at M=1
-                "kernel": lambda x=x, ws=weights, a=activation: [cpu_fp4.linear(x, w, a) for w in ws],
+                "kernel": lambda x=x, ws=weights, a=activation: [kernel.linear(x, w, a) for w in ws],
                 "reference": lambda x=x, ws=weights[:2], a=activation: [reference.linear(x, w, a, None) for w in ws],
             }
             runs = interleaved(cases, args.rounds)
@@ -70,11 +81,13 @@ def main() -> None:
                  "reference_min_ms": r_lo * 1e3, "reference_max_ms": r_hi * 1e3, "reference_over_kernel": r / k}
             )  # fmt: skip
             print(f"{name} M={m}: kernel {k * 1e3:.2f} ms, reference {r * 1e3:.1f} ms", flush=True)
-    out = Path(args.out) / "cpu_fp4.csv"
+    out = Path(args.out) / f"cpu_{args.family}.csv"
     write_csv(out, rows, {"date": utc_stamp(), "machine": platform.processor() or platform.machine()})
     print(f"\n{utc_stamp()}, {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
-          f"`python bench/cpu_fp4.py {' '.join(sys.argv[1:])}`".rstrip())  # fmt: skip
-    print("\n| format | M | FP4 kernel ms (spread) | GB/s | reference ms (spread) | reference / kernel |")
+          f"`python bench/cpu_kernels.py {' '.join(sys.argv[1:])}`".rstrip())  # fmt: skip
+    print(
+        f"\n| format | M | {args.family.upper()} kernel ms (spread) | GB/s | reference ms (spread) | reference / kernel |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(

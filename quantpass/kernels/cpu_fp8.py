@@ -1,0 +1,142 @@
+"""quantpass's FP8 CPU kernel (csrc/linear_fp8.c), built on first use like cpu_avx2's.
+
+It reads every FP8 weight quantpass stores as it is stored (e4m3 bytes and the format's scale grid:
+per tensor, per channel, per 128x128 block, MXFP8's e8m0 per 32), so preparing copies nothing and a
+call needs no dequantized weight. The `reference` backend, which ran FP8 on CPU before (torch's
+`_scaled_mm` emulates FP8 on CPU at the same speed), decoded every weight into fp32 scratch per call
+and multiplied with MKL's fp32 GEMM.
+
+Activations go in as fp32: weight-only exactly, W8A8 as the activation key quantizes them
+(`reference.fake_quantize`, what the reference multiplies), so the two backends differ only in the
+order of fp32 sums. Above `MAX_M` rows the `reference` backend runs the call (one fp32 GEMM on the
+dequantized weight is faster there).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ..quant_registry import keys as k
+from ..quant_registry.formats import AMAX_EPS
+from ..quant_registry.keys import E8M0
+from ..quant_registry.qtensor import QTensor
+from . import cpu_avx2
+from .cpu_fp4 import scale_table
+from .reference import fake_quantize
+
+SOURCE = cpu_avx2.CSRC / "linear_fp8.c"
+# weight key -> the activation keys it runs with (the oracle's FP8 pairs; None: weight-only)
+MODES = {
+    k.kFp8StaticTensorSym: (None, k.kFp8DynamicTensorSym, k.kFp8StaticTensorSym),
+    k.kFp8StaticChannelSym: (None, k.kFp8DynamicTokenSym),
+    k.kFp8Static128BlockSym: (None, k.kFp8Dynamic128Sym),
+    k.kMxfp8Static: (None, k.kMxfp8Dynamic),
+}
+MAX_M = 64  # bench/cpu_kernels.py fp8, bench/README.md ("FP8 on CPU")
+EXACT = True  # activations go in as fp32, as given
+P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+# activation keys the kernel quantizes itself: (csrc's PER_TOKEN, PER_TENSOR or STATIC; columns per scale, 0:
+# the row). MXFP8's go through `fake_quantize` first (in torch: +1.1 ms per call at M=1 on a 4096x4096
+# weight from DRAM, measured 2026-12-01; its power-of-two scales come from torch.log2, which C would
+# not reproduce bit for bit).
+ACTS = {
+    k.kFp8DynamicTokenSym: (1, 0),
+    k.kFp8Dynamic128Sym: (1, k.kFp8Dynamic128Sym.group_shape.col),
+    k.kFp8DynamicTensorSym: (2, 0),
+    k.kFp8StaticTensorSym: (3, 0),
+}
+_ARGS = (P, I64, I32, I64, I64, P, I64, I64, P, P, I64, I64, I64, I32, I64, F32, F32, P, I32, P, I64, I32, I32)  # fmt: skip
+_library = cpu_avx2.format_kernel(SOURCE, "qp_linear_fp8", _ARGS, "FP8")
+
+
+def supports(weight, activation) -> tuple[bool, str]:
+    if activation not in MODES.get(weight, ()):
+        return False, f"no FP8 CPU kernel for weight {weight} with activation {activation}"
+    ok, reason = available()
+    if not ok:
+        return False, f"quantpass's FP8 CPU kernel can't run: {reason}"
+    acts = "fp32 activations" if activation is None else f"{activation} activations (as the reference quantizes them)"
+    return True, f"e4m3 x {acts} on quantpass's AVX2 FP8 kernel for M <= {MAX_M}, reference above"
+
+
+def available() -> tuple[bool, str]:
+    """(ok, reason): whether this process can run the kernel; builds it on the first call."""
+    return _library()[1:]
+
+
+def linear(
+    x: torch.Tensor, weight: QTensor, activation=None, bias: torch.Tensor | None = None, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] @ dequantize(weight).T (+ bias) -> [M, N] in x.dtype (or into `out`, contiguous [M, N]
+    fp32/bf16/fp16: tests pass one poisoned with NaN). weight: an FP8 `[N, K]` as `formats.quantize`
+    makes it (or a checkpoint loads it); activation: a key in `MODES[weight.key]`."""
+    lib, ok, reason = _library()
+    if not ok:
+        raise RuntimeError(f"quantpass's FP8 CPU kernel can't run: {reason}")
+    if activation not in MODES.get(weight.key, ()):
+        raise ValueError(f"no FP8 CPU kernel for weight {weight.key} with activation {activation}")
+    if x.dim() != 2 or weight.data.dim() != 2 or x.shape[1] > weight.data.shape[1]:
+        raise ValueError(f"FP8 kernel shapes: x {tuple(x.shape)}, {weight}")
+    rows, kp = weight.data.shape
+    srows, group, sld = _scale_grid(weight)
+    x_dtype = x.dtype
+    dtype = x_dtype if x_dtype in cpu_avx2.DTYPES else torch.float32  # the kernel's output, then x.dtype
+    (act, act_group), act_scale = ACTS.get(activation, (0, 0)), 0.0
+    if activation == k.kFp8StaticTensorSym:
+        act_scale = _static_scale(weight, activation)
+    elif activation is not None and not act:  # the reference's activations, fp32
+        x = fake_quantize(x, activation, weight.input_scale)
+    if x.dtype not in cpu_avx2.DTYPES:
+        x = x.float()
+    if bias is not None and bias.dtype not in cpu_avx2.DTYPES:
+        bias = bias.float()
+    result = out
+    if out is None:
+        out = torch.empty(x.shape[0], rows, dtype=dtype)
+    elif out.shape != (x.shape[0], rows) or out.dtype not in cpu_avx2.DTYPES or not out.is_contiguous():
+        raise ValueError(f"FP8 kernel out must be contiguous fp32/bf16/fp16 {(x.shape[0], rows)}; got {out.dtype}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    data, scale = weight.data.contiguous(), weight.scale.contiguous()
+    if weight.key.scale.dtype == E8M0:  # MXFP8: scale bytes through their table of values
+        scale, lut = scale.view(torch.uint8), scale_table(E8M0).data_ptr()
+    else:
+        scale, lut = scale.float(), None
+    bias = None if bias is None else bias.contiguous()
+    status = lib.qp_linear_fp8(
+        x.data_ptr(), x.stride(0), cpu_avx2.DTYPES[x.dtype], x.shape[0], x.shape[1],
+        data.data_ptr(), rows, kp, scale.data_ptr(), lut, srows, sld, group, act, act_group, act_scale, AMAX_EPS,
+        None if bias is None else bias.data_ptr(), 0 if bias is None else cpu_avx2.DTYPES[bias.dtype],
+        out.data_ptr(), out.shape[-1], cpu_avx2.DTYPES[out.dtype], torch.get_num_threads(),
+    )  # fmt: skip
+    if status == -2:  # _scale_grid makes this unreachable; said plainly if they ever drift apart
+        raise ValueError(f"the FP8 kernel refused scale groups of {group} columns for {weight}")
+    if status:
+        raise cpu_avx2.scratch_error(status)
+    return out if result is not None or out.dtype == x_dtype else out.to(x_dtype)
+
+
+def _static_scale(weight: QTensor, activation) -> float:
+    """A checkpoint's calibrated per-tensor activation scale, as fake_quantize would use it (one value)."""
+    if weight.input_scale is None:
+        fake_quantize(torch.zeros(1, 1), activation, None)  # raises the reference's error naming the key
+    if weight.input_scale.numel() != 1:
+        raise ValueError(
+            f"activation {activation} takes one input scale per weight; got {tuple(weight.input_scale.shape)}"
+        )
+    return float(weight.input_scale)
+
+
+def _scale_grid(weight: QTensor) -> tuple[int, int, int]:
+    """(weight rows per scale row, columns per scale (0: the whole row), scales per scale row) from the
+    key's group shape and the scale tensor, checked against the data."""
+    rows, kp = weight.data.shape
+    shape = weight.key.group_shape
+    srows = rows if shape.row == -1 else shape.row  # -1: the whole dimension
+    group = 0 if shape.col == -1 else shape.col
+    want = (-(-rows // srows), 1 if group == 0 else -(-kp // group))
+    if tuple(weight.scale.shape) != want or (group and (group % 16 or kp % group)):
+        raise ValueError(f"FP8 kernel scales: want {want} for {weight}, got {tuple(weight.scale.shape)}")
+    return max(srows, 1), group, want[1]

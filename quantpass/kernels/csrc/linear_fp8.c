@@ -1,0 +1,193 @@
+/* FP8 (e4m3) weight linear for x86-64 with AVX2, FMA and F16C: every FP8 weight quantpass stores,
+ *   out[M, N] = x[M, K] @ dequant(w)[N, kp].T (+ bias[N]),
+ * read in the layout quantpass quantizes into (no prepared copy): w [N, kp] e4m3 bytes, and a scale
+ * grid `ws` with one scale per (`srows` weight rows, `group` columns): per-tensor (srows >= N, group 0:
+ * the whole row), per-channel (1, 0), 128x128 blocks (128, 128), MXFP8 (1, 32). Scales are fp32, or
+ * bytes decoded through `lut` (256 floats: MXFP8's e8m0). Built and loaded at run time by
+ * quantpass/kernels/cpu_fp8.py (ctypes).
+ *
+ * Activations are fp32 (x converted once per call into per-thread scratch, zero past K), as given or
+ * (`act`) quantized on the way to FP8 per token (or per group of columns), per tensor or with a static
+ * per-tensor scale and back,
+ * with the fp32 operations of quantpass's reference (scale = max(max|x|, eps) / 448 or the static one,
+ * x / scale clamped to +-448, rounded to e4m3 to nearest even, times scale), so the values are the
+ * reference's bit for bit (tested) and the products are its own up to the order of fp32 sums. Other
+ * activation keys come in already quantized (cpu_fp8.py).
+ *
+ * Decoding: an e4m3 byte sign-extended to 16 bits and shifted left by 7 is an fp16 with the e4m3 sign in
+ * bit 15, a stray copy of it in bit 14 (cleared) and exponent and mantissa below: its value is the e4m3
+ * value / 256, subnormals included (they become fp16 subnormals, which F16C converts without a
+ * microcode assist). 16 bytes -> two vectors of 8 fp32 (_mm256_cvtph_ps), then FMAs with x; the 256 is
+ * folded into the scale. e4m3's NaN codes (0x7F, 0xFF) read as +-480 here: quantpass never writes them
+ * (a weight with NaN gets a NaN scale, which does propagate).
+ * Threads (OpenMP) split N into ranges starting on multiples of 16 rows; each output is one thread's
+ * sum in a fixed order, whatever the number of threads (built with -ffp-contract=off).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "cpu_common.h"
+
+#define STEP 16   /* weight bytes decoded at a time */
+enum { AS_GIVEN = 0, PER_TOKEN = 1, PER_TENSOR = 2, STATIC = 3 }; /* `act` (PER_TOKEN: per `act_group` columns) */
+
+typedef struct {
+  outputs o; /* g: 1 (the scales are applied per group in the tiles) */
+  int64_t N, K, kp, xcols, srows, group_steps, groups, sld;
+  const uint8_t *w;
+  const void *ws;
+  const float *lut;
+  const float *xs; /* [M, xcols] fp32 activations, zero past K */
+} problem;
+
+/* fp32 -> e4m3 -> fp32 rounded to nearest even as torch's cast, for |v| <= 448 or NaN: below 2^-6 on the
+ * subnormal grid (multiples of 2^-9), above by rounding the mantissa to 3 bits. */
+INLINE float e4m3_value(float v) {
+  if (fabsf(v) < 0.015625f) return nearbyintf(v * 512.0f) * 0.001953125f;
+  uint32_t u;
+  memcpy(&u, &v, 4);
+  u = (u + 0x7FFFF + ((u >> 20) & 1)) & ~(uint32_t)0xFFFFF;
+  memcpy(&v, &u, 4);
+  return v;
+}
+
+/* max |v| over n elements of a row, NaN if any is NaN (as torch's amax). */
+static float amax_of(const float *v, int64_t n) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < n; k++) {
+    if (isnan(v[k])) return NAN;
+    amax = fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
+  }
+  return amax;
+}
+
+/* Row v (n elements) through FP8 with `scale` and back, in place. */
+static void fake_fp8(float *v, int64_t n, float scale) {
+  for (int64_t k = 0; k < n; k++) {
+    float q = v[k] / scale;
+    q = q > 448.0f ? 448.0f : q < -448.0f ? -448.0f : q; /* NaN stays NaN */
+    v[k] = e4m3_value(q) * scale;
+  }
+}
+
+/* The scale of a dynamic FP8 activation key for |x| max `amax`: max(amax, eps) / 448, NaN for NaN. */
+INLINE float dynamic_scale(float amax, float eps) { return isnan(amax) ? NAN : (amax > eps ? amax : eps) / 448.0f; }
+
+/* Scale i of the grid (x 256: the decode's fp16 values are the e4m3 ones / 256). */
+INLINE float scale_at(const problem *p, int64_t i) {
+  return (p->lut ? p->lut[((const uint8_t *)p->ws)[i]] : ((const float *)p->ws)[i]) * 256.0f;
+}
+
+/* 16 e4m3 bytes -> 16 fp32 values / 256 in two vectors. */
+INLINE void decode(const uint8_t *w, __m256 *lo, __m256 *hi) {
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)w)), 7),
+                                     _mm256_set1_epi16((short)0xBFFF));
+  *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+}
+
+/* Weight rows r0 .. r0 + R - 1 times activation rows m0 .. m0 + MB - 1 -> res[m * R + r] (scaled, no bias). */
+INLINE void tile(const problem *p, int64_t r0, int64_t m0, int R, int MB, float *res) {
+  const int64_t steps = p->kp / STEP, full = steps * STEP;
+  __m256 acc[4][MB_MAX];
+  int64_t srow[4]; /* each row's first scale: one division per tile, not per group */
+  for (int r = 0; r < R; r++) {
+    srow[r] = (r0 + r) / p->srows * p->sld;
+    for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
+  }
+  for (int64_t g = 0; g < p->groups; g++) {
+    const int64_t s0 = g * p->group_steps, s1 = s0 + p->group_steps < steps ? s0 + p->group_steps : steps;
+    __m256 part[4][MB_MAX][2];
+    for (int r = 0; r < R; r++)
+      for (int m = 0; m < MB; m++) part[r][m][0] = part[r][m][1] = _mm256_setzero_ps();
+    for (int64_t s = s0; s < s1; s++) {
+      for (int r = 0; r < R; r++) {
+        const uint8_t *w = p->w + (r0 + r) * p->kp + s * STEP;
+        _mm_prefetch((const char *)(w + R * p->kp), _MM_HINT_T0); /* the next tile's row */
+        __m256 lo, hi;
+        decode(w, &lo, &hi);
+        for (int m = 0; m < MB; m++) {
+          const float *x = p->xs + (m0 + m) * p->xcols + s * STEP;
+          part[r][m][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x), part[r][m][0]);
+          part[r][m][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 8), part[r][m][1]);
+        }
+      }
+    }
+    if (g == p->groups - 1 && full < p->kp) { /* the row's last kp % 16 bytes: a zero-filled copy */
+      for (int r = 0; r < R; r++) {
+        uint8_t tmp[STEP] = {0};
+        memcpy(tmp, p->w + (r0 + r) * p->kp + full, (size_t)(p->kp - full));
+        __m256 lo, hi;
+        decode(tmp, &lo, &hi);
+        for (int m = 0; m < MB; m++) { /* x's scratch rows run to a multiple of 16, zero past K */
+          const float *x = p->xs + (m0 + m) * p->xcols + full;
+          part[r][m][0] = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x), part[r][m][0]);
+          part[r][m][1] = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + 8), part[r][m][1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; r++) {
+      const __m256 scale = _mm256_set1_ps(scale_at(p, srow[r] + g));
+      for (int m = 0; m < MB; m++)
+        acc[r][m] = _mm256_fmadd_ps(_mm256_add_ps(part[r][m][0], part[r][m][1]), scale, acc[r][m]);
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int r = 0; r < R; r++) res[m * R + r] = hsum(acc[r][m]);
+}
+
+/* One function per (R, MB): the tile's loops unrolled with its registers. */
+#define TILE(R, MB) \
+  static void tile_##R##_##MB(const void *p, int64_t r0, int64_t m0, float *res) { tile(p, r0, m0, R, MB, res); }
+TILE(4, 1) TILE(2, 2) TILE(1, 3) TILE(1, 4) TILE(1, 1) TILE(1, 2)
+static const mb_tile_fn WIDE[MB_MAX] = {tile_4_1, tile_2_2, tile_1_3, tile_1_4}, ONE[MB_MAX] = {tile_1_1, tile_1_2, tile_1_3, tile_1_4};
+static const int WIDE_ROWS[MB_MAX] = {4, 2, 1, 1};
+
+static void rows(const void *p, int64_t n0, int64_t n1) { tile_rows(p, WIDE, ONE, WIDE_ROWS, n0, n1); }
+
+/* x [M, K] (row stride ldx elements, `xtype`) @ dequant(w).T -> out [M, N] (row stride ldo, `otype`), + bias
+ * [N] (`btype`; NULL: none). w [N, kp] e4m3, K <= kp; scales as the header says: ws[(n / srows) * sld + g]
+ * for column group g of `group` columns (0: one group per row), fp32 or bytes through `lut`. `act`: x as
+ * given or through FP8 (PER_TOKEN per `act_group` columns, 0: the row; PER_TENSOR; both with `eps`,
+ * quantpass's AMAX_EPS; STATIC with `act_scale`).
+ * Returns 0; -1 if the scratch could not be allocated; -2 for a group that is not a multiple of 16. */
+int qp_linear_fp8(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                  int64_t kp, const void *ws, const float *lut, int64_t srows, int64_t sld, int64_t group,
+                  int act, int64_t act_group, float act_scale, float eps, const void *bias, int btype, void *out,
+                  int64_t ldo, int otype, int threads) {
+  if (group % STEP || group < 0 || srows < 1 || act_group < 0) return -2;
+  if (act_group == 0) act_group = K > 0 ? K : 1;
+  const int64_t steps = kp / STEP, xcols = (kp + STEP - 1) / STEP * STEP;
+  problem p = {.o = {.M = M, .ldo = ldo, .otype = otype, .btype = btype, .g = 1.0f, .bias = bias, .out = out},
+               .N = N, .K = K, .kp = kp, .xcols = xcols, .srows = srows,
+               .group_steps = group ? group / STEP : steps + 1, .sld = sld, .w = w, .ws = ws, .lut = lut};
+  p.groups = group ? (kp + group - 1) / group : 1;
+  int fresh;
+  float *buf = (float *)scratch((size_t)(M * xcols) * sizeof(float), &fresh);
+  if (buf == NULL) return -1;
+  float amax = 0.0f; /* PER_TENSOR: over every row, NaN if any is */
+  for (int64_t m = 0; m < M; m++) {
+    const uint8_t *row = (const uint8_t *)x + m * ldx * (xtype == F32 ? 4 : 2);
+    float *dst = buf + m * xcols;
+    for (int64_t k = 0; k < K; k++) dst[k] = to_f32(row, xtype, k);
+    memset(dst + K, 0, (size_t)(xcols - K) * sizeof(float));
+    for (int64_t c = 0; act == PER_TOKEN && c < K; c += act_group) {
+      const int64_t n = K - c < act_group ? K - c : act_group;
+      fake_fp8(dst + c, n, dynamic_scale(amax_of(dst + c, n), eps));
+    }
+    if (act == STATIC) fake_fp8(dst, K, act_scale);
+    if (act == PER_TENSOR) {
+      const float a = amax_of(dst, K);
+      amax = isnan(a) || isnan(amax) ? NAN : a > amax ? a : amax;
+    }
+  }
+  if (act == PER_TENSOR)
+    for (int64_t m = 0; m < M; m++) fake_fp8(buf + m * xcols, K, dynamic_scale(amax, eps));
+  p.xs = buf;
+  parallel_rows(rows, &p, N, kp, threads);
+  if (fresh) free(buf);
+  return 0;
+}

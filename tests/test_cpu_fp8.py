@@ -1,0 +1,135 @@
+"""quantpass's FP8 CPU kernel (kernels/cpu_fp8.py, csrc/linear_fp8.c) against references on odd
+shapes, outputs poisoned with NaN before the call: weight-only against a float64 product of x and
+the dequantized weight, for every FP8 weight layout (per tensor, per channel, 128x128 blocks, MXFP8)
+and every tail (K not a multiple of 16 bytes, N not a multiple of the tiles' rows, M across the
+activation-row tiles); W8A8 against the reference backend (the same quantized activations); every
+e4m3 byte decoded as torch decodes it; NaN and inf; argument errors. Threads, routing and compiled
+models: tests/test_cpu_format_kernels.py."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from quantpass.kernels import cpu_fp8, reference
+from quantpass.metrics import sqnr
+from quantpass.quant_registry import formats, keys
+from quantpass.quant_registry.qtensor import QTensor
+
+pytestmark = pytest.mark.skipif(not cpu_fp8.available()[0], reason=f"FP8 CPU kernel: {cpu_fp8.available()[1]}")
+
+WEIGHTS = list(cpu_fp8.MODES)
+PAIRS = [(w, a) for w, acts in cpu_fp8.MODES.items() for a in acts if a is not None]
+# (M, N, K): K with a partial last 16 bytes (the per-row formats: 260, 130, 7), spanning scale groups
+# (1040: 9 blocks of 128, 33 MX blocks), N not a multiple of 4, 8 or 128; M across the 4-row tiles
+SHAPES = [(1, 37, 48), (2, 16, 260), (3, 33, 1040), (4, 20, 96), (5, 7, 130), (9, 300, 512), (17, 3, 7)]
+
+
+def operands(key, M, N, K, dtype=torch.bfloat16, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = formats.quantize(torch.randn(N, K, generator=gen).to(dtype), key)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    return x, weight, bias
+
+
+def poisoned(M, N, dtype=torch.float32):
+    return torch.full((M, N), float("nan"), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("key", WEIGHTS, ids=str)
+def test_weight_only_is_the_exact_product(key, shape, dtype):
+    x, weight, bias = operands(key, *shape, dtype=dtype)
+    out = cpu_fp8.linear(x, weight, None, bias, out=poisoned(shape[0], shape[1]))
+    dense = formats.dequantize(weight, torch.float64)
+    want = x.double() @ dense.t() + bias.double()
+    assert not out.isnan().any()
+    assert sqnr(want, out.double()) >= 110  # fp32 sums of exact fp32 products (measured 130-144 dB)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}-{p[1]}")
+def test_w8a8_matches_the_reference(pair, shape):
+    weight_key, activation = pair
+    x, weight, bias = operands(weight_key, *shape, seed=1)
+    if keys.needs_input_scale(activation):  # a checkpoint's calibrated scale
+        weight = replace(weight, input_scale=x.float().abs().amax() / 448 * 0.9)
+    out = cpu_fp8.linear(x, weight, activation, bias, out=poisoned(shape[0], shape[1]))
+    want = reference.linear(x.float(), weight, activation, bias.float())
+    assert not out.isnan().any()
+    assert sqnr(want, out) >= 110  # the same quantized activations: only the fp32 sums' order differs
+
+
+@pytest.mark.parametrize("activation", list(cpu_fp8.ACTS), ids=str)
+def test_activations_quantized_in_the_kernel_are_the_references_bit_for_bit(activation):
+    """Each activation the kernel quantized shows up alone against an identity weight (e4m3 1.0, scales
+    1), so any value other than fake_quantize's is visible: e4m3 midpoints that round to even (normal
+    and subnormal), values under half the smallest subnormal, the clamp at 448, NaN and inf rows. Row
+    maxima of 448 make each dynamic scale exactly 1; the static scale is 1."""
+    ties = [1.0625, 1.1875, 2.125, 3 * 2**-10, 5 * 2**-10, 2**-10, 2**-11, 440.0, 432.0, 0.0, 1e-30]
+    ties = torch.tensor(ties + [-t for t in ties])
+    rows = [
+        torch.cat([torch.tensor([448.0]), ties, torch.linspace(-3, 3, 41)]),
+        torch.cat([torch.tensor([-448.0]), ties / 2, torch.randn(41, generator=torch.Generator().manual_seed(2))]),
+        torch.cat([torch.tensor([448.0, 500.0, -1e4]), ties[2:], torch.randn(41) * 100]),  # over 448: the clamp
+    ]
+    small = torch.randn(3, 100, generator=torch.Generator().manual_seed(3)) / 1000  # 1x128: a second group
+    x = torch.cat([torch.stack(rows), small], dim=1)
+    k = x.shape[1]
+    weight_key = next(w for w, acts in cpu_fp8.MODES.items() if activation in acts)
+    kp, groups = formats.padded_cols(weight_key, k), weight_key.group_shape
+    scale = torch.ones(1 if groups.row == -1 else -(-k // groups.row), 1 if groups.col == -1 else kp // groups.col)
+    data = torch.eye(k, kp).to(torch.float8_e4m3fn)
+    weight = QTensor(data, scale, None, weight_key, (k, k), torch.float32)
+    weight.input_scale = torch.tensor(1.0)
+    want = reference.fake_quantize(x, activation, weight.input_scale)
+    assert torch.equal(cpu_fp8.linear(x, weight, activation, out=poisoned(3, k)), want)
+    for bad in (float("nan"), float("inf")):  # as the reference: that row (per token) or every row (per tensor)
+        x_bad = x.clone()
+        x_bad[1, 7] = bad
+        want = reference.linear(x_bad, weight, activation, None)  # a NaN times the weight's zeros: NaN rows
+        got = cpu_fp8.linear(x_bad, weight, activation)
+        assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_e4m3_byte_reads_as_torch_decodes_it(out_dtype):
+    """A per-tensor weight holding each finite e4m3 byte once (subnormals, zeros, both signs), scale 1,
+    against one-hot activations: every output is one decoded byte, exactly."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)  # 254 finite bytes
+    data = codes.view(torch.float8_e4m3fn).reshape(1, -1).repeat(3, 1)  # [3, 254]: K = 254, a partial step
+    weight = QTensor(data, torch.ones(1, 1), None, keys.kFp8StaticTensorSym, data.shape, torch.float32)
+    out = cpu_fp8.linear(torch.eye(254), weight, out=poisoned(254, 3, out_dtype))
+    assert torch.equal(out[:, 0], codes.view(torch.float8_e4m3fn).float().to(out_dtype))
+
+
+def test_nan_and_inf_activations_stay_in_their_rows_as_in_the_reference():
+    x, weight, _ = operands(keys.kFp8StaticChannelSym, 3, 16, 128)
+    x[1, 5], x[2, 70] = float("nan"), float("inf")
+    out, want = cpu_fp8.linear(x, weight), reference.linear(x, weight, None, None)
+    assert out[1].isnan().all() and not out[2].isfinite().any() and out[0].isfinite().all()
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.isinf(), want.isinf())
+
+
+def test_a_nan_scale_gives_nan_in_its_rows_only():
+    _, weight, _ = operands(keys.kMxfp8Static, 2, 16, 96)
+    scale = weight.scale.clone()
+    scale[3, 1] = 255  # e8m0's NaN
+    out = cpu_fp8.linear(torch.randn(2, 96), replace(weight, scale=scale))
+    assert out[:, 3].isnan().all() and not out[:, [0, 1, 2, 4]].isnan().any()
+
+
+def test_bad_arguments_name_what_is_wrong():
+    x, weight, _ = operands(keys.kFp8StaticChannelSym, 2, 16, 64)
+    with pytest.raises(
+        ValueError, match="no FP8 CPU kernel for weight kFp8StaticChannelSym with activation kMxfp8Dynamic"
+    ):
+        cpu_fp8.linear(x, weight, keys.kMxfp8Dynamic)
+    with pytest.raises(ValueError, match="FP8 kernel shapes"):
+        cpu_fp8.linear(torch.randn(2, 96), weight)
+    with pytest.raises(ValueError, match="FP8 kernel scales: want"):
+        cpu_fp8.linear(x, replace(weight, scale=weight.scale[:8]))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        cpu_fp8.linear(x, weight, out=torch.empty(2, 15))
