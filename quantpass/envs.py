@@ -7,7 +7,7 @@ import os
 ENV_VARS = {
     "QUANTPASS_DISABLED_BACKENDS": "comma-separated backends the oracle must not pick automatically",
     "QUANTPASS_DEBUG_DIR": "dump graphs before/after the pass, the plan and depyf output per compile here",
-    "QUANTPASS_CPU_KERNEL": "0 keeps INT8/INT4 weight-only on aten's CPU kernels instead of building quantpass's AVX2 ones",
+    "QUANTPASS_CPU_KERNEL": "0 keeps INT8/INT4 weight-only on aten's CPU kernels (FP8/FP4 on the reference) instead of building quantpass's AVX2 ones",
     "QUANTPASS_LOG": "log level of the 'quantpass' logger (debug shows the oracle's rejections)",
     "TRITON_INTERPRET": "1 runs Triton kernels on CPU tensors through Triton's interpreter",
 }

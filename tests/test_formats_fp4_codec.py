@@ -1,12 +1,15 @@
 """The e2m1 (FP4) lookup-table codec in formats.py against torchao's bit-twiddling conversion it
 replaced: identical codes, values and decoded bytes on every top-16-bit pattern and the edge values
 (signed zeros, fp32 subnormals, exact ties and their neighbours, saturation, Inf, NaN), and whole
-MXFP4/NVFP4 quantizations byte-identical to the old codec's."""
+MXFP4/NVFP4 quantizations byte-identical to the old codec's; and the CPU path never importing torchao."""
 
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 
+import fresh_process
 import pytest
 import torch
 
@@ -120,3 +123,22 @@ def test_traced_code_keeps_torchao_ops_and_the_same_results():
     graph, real_in_backend, meta_in_backend = graphs[0]
     assert "index_select" not in graph.code and "rshift" in graph.code
     assert real_in_backend and not meta_in_backend
+
+
+def test_fp4_on_cpu_runs_without_importing_torchao():
+    """Quantizing, dequantizing and multiplying FP4 on CPU use quantpass's own tables: torchao's
+    mx_formats import held ~4.4 MiB more for the process (bench/README.md, "Memory")."""
+    code = (
+        "import sys, torch, quantpass as qp\n"
+        "from quantpass.kernels import cpu\n"
+        "w = torch.randn(64, 96)\n"
+        "for fmt in ('nvfp4', 'mxfp4'):\n"
+        "    spec = qp.QuantSpec.from_name(fmt)\n"
+        "    qt = qp.quantize(w, spec.weight)\n"
+        "    qp.dequantize(qt)\n"
+        "    cpu.linear(torch.randn(3, 96), qt, spec.activation, None)\n"
+        "print(sorted(m for m in sys.modules if m.startswith('torchao.prototype')))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=fresh_process.env())
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]", done.stdout

@@ -60,18 +60,17 @@ SEARCH_CHUNK = 1 << 18  # elements x candidates per step of the scale search: ~1
 @functools.cache
 def _fp4_codec():
     """torchao's e2m1 round-to-nearest-even conversion and low-nibble-first packing: the definition
-    the lookup tables below are built from (and what tests compare them with)."""
+    the lookup tables below reproduce (tests compare them), and what runs off the CPU and in traces.
+    Imported only there: on CPU its import held ~4.4 MiB more for the process (bench/README.md, "Memory")."""
     from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked, pack_uint4, unpack_uint4
 
     return f32_to_f4_unpacked, f4_unpacked_to_f32, pack_uint4, unpack_uint4
 
 
-@functools.cache
-def _nvfp4_global_scale():
-    """torchao's NVFP4 per-tensor scale, amax / (448 * 6) in fp32."""
-    from torchao.prototype.mx_formats.nvfp4_tensor import per_tensor_amax_to_scale
-
-    return per_tensor_amax_to_scale
+# NVFP4's per-tensor scale is amax / (448 * 6) in fp32, as torchao's `per_tensor_amax_to_scale`
+NVFP4_GLOBAL_DIVISOR = 448.0 * 6.0
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)  # by code
+_E2M1_TIES = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)  # halfway between consecutive magnitudes
 
 
 @functools.cache
@@ -81,16 +80,28 @@ def _fp4_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     torchao's conversion of an fp32 value depends only on its top 12 bits and on whether any of the
     low 20 bits is set: its round-to-nearest-even adds 2^21 - 1 plus the kept lowest bit to the bits
     and shifts by 22, with exponent/saturation branches decided by the top bits (NaN, Inf and fp32
-    subnormals included). So one representative per key, converted by torchao, is its result for
-    every input with that key: one gather instead of ~25 full-size passes (4x faster on CPU)."""
-    f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
+    subnormals included). So one representative per key, converted as torchao converts it, is its
+    result for every input with that key: one gather instead of ~25 full-size passes (4x faster on
+    CPU). The representatives are rounded here, not by torchao: to nearest e2m1 magnitude, ties to the
+    even code, saturating at 6 (Inf too); a NaN as torchao's bit arithmetic treats it, as 1.m with its
+    sign and mantissa (tests/test_formats_fp4_codec.py checks every key against torchao)."""
     with torch._subclasses.fake_tensor.unset_fake_temporarily():  # real tables even if first used in a trace
         top = torch.arange(4096, dtype=torch.int32, device="cpu") << 20
-        representatives = torch.stack([top, top | 1], dim=1).flatten().view(torch.float32)
-        codes = f32_to_f4(representatives.contiguous())
-        values = f4_to_f32(torch.arange(16, dtype=torch.uint8, device="cpu"))
+        bits = torch.stack([top, top | 1], dim=1).flatten()
+        bits = torch.where(bits.view(torch.float32).isnan(), bits & 0x807FFFFF | 0x3F800000, bits)
+        representatives = bits.view(torch.float32)
+        ties, magnitude = torch.tensor(_E2M1_TIES), representatives.abs()
+        index = torch.searchsorted(ties, magnitude)  # ties below |x|: the code rounding down
+        index += (magnitude == ties[index.clamp(max=len(ties) - 1)]) & (index % 2 == 1)  # a tie: the even code
+        codes = (index | torch.signbit(representatives).to(torch.int64) << 3).to(torch.uint8)
+        values = torch.tensor(E2M1_VALUES)
         pairs = torch.stack([values.repeat(16), values.repeat_interleave(16)], dim=1)  # byte b: (b & 15, b >> 4)
         return codes, values[codes.long()], pairs
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [..., C] (C even) -> [..., C/2], two per byte, first in the low nibble (torchao's order)."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
 def fp4_code_table() -> torch.Tensor:
@@ -289,7 +300,7 @@ def _quantize_grouped(x: torch.Tensor, key: QuantKey, amax2: torch.Tensor | None
         # clamps nothing: an all-zero matrix gets 0 / 0 = NaN block scales). Its elements are x *
         # ((1 / scale2) / block) where we divide by block * scale2: one e2m1 step apart within an ulp
         # of a tie (41-402 of 262144), at 1.8-2x our thread CPU time on our chunks (as above).
-        scale2 = _nvfp4_global_scale()(amax.amax(dim=(-4, -2), keepdim=True) if amax2 is None else amax2)
+        scale2 = (amax.amax(dim=(-4, -2), keepdim=True) if amax2 is None else amax2).float() / NVFP4_GLOBAL_DIVISOR
         stored_scale = (amax / element.max / scale2).clamp(E4M3_MIN_SCALE, 448.0).to(FP8)
         scale = stored_scale.float() * scale2
     elif key.dtype == INT4 and key.static:  # clip search: see INT4_CLIP_RATIOS
@@ -393,8 +404,7 @@ def _encode(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return (scaled if dtype == FP8 else scaled.round()).to(dtype)
     if dtype == INT4:  # exact element values, then packed two per byte
         return _pack_grouped(_round(scaled, dtype), pack_int4)
-    _, _, pack, _ = _fp4_codec()  # the codes of the rounded values are the codes of the values
-    return _pack_grouped(fp4_codes(scaled.float()), pack)
+    return _pack_grouped(fp4_codes(scaled.float()), pack_fp4)  # the codes of the rounded values are the codes
 
 
 def _pack_grouped(values: torch.Tensor, pack) -> torch.Tensor:
