@@ -6,10 +6,11 @@ call needs no dequantized weight. The `reference` backend, which ran FP8 on CPU 
 `_scaled_mm` emulates FP8 on CPU at the same speed), decoded every weight into fp32 scratch per call
 and multiplied with MKL's fp32 GEMM.
 
-Activations go in as fp32: weight-only exactly, W8A8 as the activation key quantizes them
-(`reference.fake_quantize`, what the reference multiplies), so the two backends differ only in the
-order of fp32 sums. Above `MAX_M` rows the `reference` backend runs the call (one fp32 GEMM on the
-dequantized weight is faster there).
+Activations are multiplied in fp32: weight-only as given, W8A8 as the activation key quantizes them
+(what the reference multiplies: the kernel quantizes per-token, per-1x128 and per-tensor FP8
+activations itself, bit for bit as `reference.fake_quantize` does; MXFP8's go through
+`fake_quantize`), so the two backends differ only in the order of fp32 sums. Above `MAX_M` rows the
+`reference` backend runs the call (one fp32 GEMM on the dequantized weight is faster there).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ CANDIDATES = {Kind.LINEAR: LINEAR_CANDIDATES, Kind.MOE: MOE_CANDIDATES}
 # "Measurements behind choices in the code"), while tracing native's activation
 # quantization into every graph made the dense preset compile 1.5x plain Inductor (the opaque
 # reference op: 1.0x); every FP8 pair runs first on the cpu backend's FP8 kernel (kernels/cpu_fp8.py:
-# 29-52x the reference at M=1 on a 4096x4096 weight, 1.4-2.5x at M=64, bench/README.md "FP8 on
+# 29-43x the reference at M=1 on a 4096x4096 weight, 1.6-2.6x at M=64, bench/README.md "FP8 on
 # CPU"), the reference above its largest M. MXFP4 and NVFP4: the cpu backend's FP4 kernel (kernels/cpu_fp4.py; 55x
 # the reference at M=1 on a 4096x4096 weight, 1.2-1.4x at M=256), then the reference; native's traced e2m1
 # decode ran 1.3x slower than the reference's at M=1 (even at M=32), compiled 4x slower, and kept ~10

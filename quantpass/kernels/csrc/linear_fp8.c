@@ -7,12 +7,11 @@
  * quantpass/kernels/cpu_fp8.py (ctypes).
  *
  * Activations are fp32 (x converted once per call into per-thread scratch, zero past K), as given or
- * (`act`) quantized on the way to FP8 per token (or per group of columns), per tensor or with a static
- * per-tensor scale and back,
- * with the fp32 operations of quantpass's reference (scale = max(max|x|, eps) / 448 or the static one,
- * x / scale clamped to +-448, rounded to e4m3 to nearest even, times scale), so the values are the
- * reference's bit for bit (tested) and the products are its own up to the order of fp32 sums. Other
- * activation keys come in already quantized (cpu_fp8.py).
+ * (`act`) quantized on the way to FP8 and back: per token (or per group of columns), per tensor, or with
+ * a static per-tensor scale, with the fp32 operations of quantpass's reference (scale = max(max|x|, eps)
+ * / 448 or the static one, x / scale clamped to +-448, rounded to e4m3 to nearest even, times scale), so
+ * the values are the reference's bit for bit (tested) and the products are its own up to the order of
+ * fp32 sums. Other activation keys come in already quantized (cpu_fp8.py).
  *
  * Decoding: an e4m3 byte sign-extended to 16 bits and shifted left by 7 is an fp16 with the e4m3 sign in
  * bit 15, a stray copy of it in bit 14 (cleared) and exponent and mantissa below: its value is the e4m3
