@@ -3,8 +3,10 @@
     python bench/memory.py                      # the default table (Llama-style, hidden 1024, 6 layers, bf16)
     python bench/memory.py --modes none int8_weight_only --hidden 512 --layers 2 --csv bench/out/memory.csv
 
-Per mode, a child process imports everything, builds the model from a seeded config (nothing
-downloaded) and then compiles and runs it once (`lowering="aot_eager"` unless `--lowering` says
+Per mode, a child process imports everything, compiles a throwaway 64x64 linear with the mode's
+format (so its kernels' one-time costs, libraries and tables, fall before the baseline as INT8's
+always did; until 2026-12-01 20:20 UTC every mode warmed with INT8), builds the model from a seeded
+config (nothing downloaded) and then compiles and runs it once (`lowering="aot_eager"` unless `--lowering` says
 otherwise: Inductor's own memory would blur the weights', but it is what users run). Columns:
 - *weights MiB*: RSS after the first call minus RSS just before the model was built, minus what the
   `none` mode (unquantized, same compile) holds beyond its parameter bytes (activations, compiled
@@ -52,8 +54,12 @@ torch.set_num_threads(threads)
 config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
     num_attention_heads=16, num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=256)
 ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
-with torch.no_grad():  # warm the compile machinery on a throwaway model: its memory is not the weights'
-    torch.compile(torch.nn.Linear(64, 64), backend=qp.backend(linear="int8_weight_only", lowering=lowering))(torch.randn(2, 64))
+# warm the compile machinery and the mode's own kernels on a throwaway model: one-time costs (kernel
+# libraries, lookup tables, the code pages their ops touch) are not the weights'. The unquantized mode
+# warms with INT8 (it runs none of them).
+warm = mode.partition("+")[0] if mode != "none" else "int8_weight_only"
+with torch.no_grad():
+    torch.compile(torch.nn.Linear(64, 64), backend=qp.backend(linear=warm, lowering=lowering))(torch.randn(2, 64))
 torch._dynamo.reset()
 before, _ = rss()
 torch.manual_seed(0)
