@@ -5,9 +5,10 @@
 
 Per mode, a child process imports everything, compiles a throwaway 64x64 linear with the mode's
 format (so its kernels' one-time costs, libraries and tables, fall before the baseline as INT8's
-always did; until 2026-12-01 20:20 UTC every mode warmed with INT8), builds the model from a seeded
-config (nothing downloaded) and then compiles and runs it once (`lowering="aot_eager"` unless `--lowering` says
-otherwise: Inductor's own memory would blur the weights', but it is what users run). Columns:
+always did; in the tables before 2026-12-01 20:31 UTC every mode warmed with INT8), builds the model
+from a seeded config (nothing downloaded) and then compiles and runs it once (`lowering="aot_eager"`
+unless `--lowering` says otherwise: Inductor's own memory would blur the weights', but it is what
+users run). Columns:
 - *weights MiB*: RSS after the first call minus RSS just before the model was built, minus what the
   `none` mode (unquantized, same compile) holds beyond its parameter bytes (activations, compiled
   code): what the weights cost the process, the issue's "minus a weightless model of the same shape".
