@@ -92,17 +92,23 @@ def linear(
         raise ValueError(f"x and bias must be one of {dtypes}; got {x.dtype}, {None if bias is None else bias.dtype}")
     if bias is not None and bias.shape != (rows,):
         raise ValueError(f"{name} kernel bias must be [{rows}]; got {tuple(bias.shape)}")
-    if out is None:
-        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
-    elif out.shape != (x.shape[0], rows) or out.dtype not in DTYPES or not out.is_contiguous():
-        raise ValueError(
-            f"{name} kernel out must be contiguous fp32/bf16/fp16 {(x.shape[0], rows)}; got {out.dtype} {tuple(out.shape)}"
-        )
+    out = output(out, x.shape[0], rows, x.dtype, name)
     if x.stride(-1) != 1:
         x = x.contiguous()
     data, scale = data.contiguous(), scale.contiguous()
     bias = None if bias is None else bias.contiguous()
     run(lib, x, data, scale, bias, out, 4 if int4 else 8, MODES[mode], torch.get_num_threads())
+    return out
+
+
+def output(out: torch.Tensor | None, m: int, n: int, dtype: torch.dtype, name: str) -> torch.Tensor:
+    """A kernel's destination: `out` checked (contiguous [m, n] fp32/bf16/fp16), or a new [m, n] of `dtype`."""
+    if out is None:
+        return torch.empty(m, n, dtype=dtype)
+    if out.shape != (m, n) or out.dtype not in DTYPES or not out.is_contiguous():
+        raise ValueError(
+            f"{name} kernel out must be contiguous fp32/bf16/fp16 {(m, n)}; got {out.dtype} {tuple(out.shape)}"
+        )
     return out
 
 

@@ -79,10 +79,7 @@ def linear(
         return linear(x.float(), weight, activation, None if bias is None else bias.float(), out).to(x.dtype)
     if bias is not None and bias.dtype not in cpu_avx2.DTYPES:
         bias = bias.float()
-    if out is None:
-        out = torch.empty(x.shape[0], rows, dtype=x.dtype)
-    elif out.shape != (x.shape[0], rows) or out.dtype not in cpu_avx2.DTYPES or not out.is_contiguous():
-        raise ValueError(f"FP4 kernel out must be contiguous fp32/bf16/fp16 {(x.shape[0], rows)}; got {out.dtype}")
+    out = cpu_avx2.output(out, x.shape[0], rows, x.dtype, "FP4")
     if x.stride(-1) != 1:
         x = x.contiguous()
     g = 0.5 if weight.scale2 is None else float(weight.scale2) / 2  # codes are e2m1 values x 2

@@ -80,24 +80,18 @@ def linear(
         raise ValueError(f"no FP8 CPU kernel for weight {weight.key} with activation {activation}")
     if x.dim() != 2 or weight.data.dim() != 2 or x.shape[1] > weight.data.shape[1]:
         raise ValueError(f"FP8 kernel shapes: x {tuple(x.shape)}, {weight}")
+    if x.dtype not in cpu_avx2.DTYPES:  # through fp32
+        return linear(x.float(), weight, activation, None if bias is None else bias.float(), out).to(x.dtype)
     rows, kp = weight.data.shape
     srows, group, sld = _scale_grid(weight)
-    x_dtype = x.dtype
-    dtype = x_dtype if x_dtype in cpu_avx2.DTYPES else torch.float32  # the kernel's output, then x.dtype
+    out = cpu_avx2.output(out, x.shape[0], rows, x.dtype, "FP8")
     (act, act_group), act_scale = ACTS.get(activation, (0, 0)), 0.0
     if activation == k.kFp8StaticTensorSym:
         act_scale = _static_scale(weight, activation)
     elif activation is not None and not act:  # the reference's activations, fp32
         x = fake_quantize(x, activation, weight.input_scale)
-    if x.dtype not in cpu_avx2.DTYPES:
-        x = x.float()
     if bias is not None and bias.dtype not in cpu_avx2.DTYPES:
         bias = bias.float()
-    result = out
-    if out is None:
-        out = torch.empty(x.shape[0], rows, dtype=dtype)
-    elif out.shape != (x.shape[0], rows) or out.dtype not in cpu_avx2.DTYPES or not out.is_contiguous():
-        raise ValueError(f"FP8 kernel out must be contiguous fp32/bf16/fp16 {(x.shape[0], rows)}; got {out.dtype}")
     if x.stride(-1) != 1:
         x = x.contiguous()
     data, scale = weight.data.contiguous(), weight.scale.contiguous()
@@ -116,7 +110,7 @@ def linear(
         raise ValueError(f"the FP8 kernel refused scale groups of {group} columns for {weight}")
     if status:
         raise cpu_avx2.scratch_error(status)
-    return out if result is not None or out.dtype == x_dtype else out.to(x_dtype)
+    return out
 
 
 def _static_scale(weight: QTensor, activation) -> float:

@@ -22,6 +22,21 @@ INLINE float to_f32(const void *p, int type, int64_t i) {
   return f;
 }
 
+INLINE __m256 load8_f32(const void *p, int type, int64_t i) {
+  if (type == F32) return _mm256_loadu_ps((const float *)p + i);
+  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
+  if (type == F16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* x row [K] of `type` -> dst [kpad] fp32, zero past K. */
+static inline void row_f32(const void *x, int type, int64_t K, float *dst, int64_t kpad) {
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load8_f32(x, type, k));
+  for (; k < K; k++) dst[k] = to_f32(x, type, k);
+  for (; k < kpad; k++) dst[k] = 0.0f;
+}
+
 INLINE float hsum(__m256 v) {
   __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   h = _mm_add_ps(h, _mm_movehl_ps(h, h));

@@ -48,20 +48,11 @@ enum { EXACT = 0, INT8 = 1, INT16 = 2 };  /* `mode` (INT8 for INT4 weights, INT1
 
 /* ---- activations: into fp32 (INT4: in the even/odd order), then into integers ---- */
 
-INLINE __m256 load8_f32(const void *p, int type, int64_t i) {
-  if (type == F32) return _mm256_loadu_ps((const float *)p + i);
-  const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + i));
-  if (type == F16) return _mm256_cvtph_ps(h);
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
 /* x row [K] of `type` -> dst [kpad] fp32, zero past K; INT4 (`split`) reorders each run of 64. */
 static void row_to_f32(const void *x, int type, int64_t K, float *dst, int64_t kpad, int split) {
   int64_t k = 0;
   if (!split) {
-    for (; k + 8 <= K; k += 8) _mm256_storeu_ps(dst + k, load8_f32(x, type, k));
-    for (; k < K; k++) dst[k] = to_f32(x, type, k);
-    for (; k < kpad; k++) dst[k] = 0.0f;
+    row_f32(x, type, K, dst, kpad);
     return;
   }
   for (; k + 64 <= K; k += 64) /* 16 columns at a time: evens to dst[k + i], odds to dst[k + 32 + i] */

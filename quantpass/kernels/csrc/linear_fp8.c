@@ -171,8 +171,7 @@ int qp_linear_fp8(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, c
   for (int64_t m = 0; m < M; m++) {
     const uint8_t *row = (const uint8_t *)x + m * ldx * (xtype == F32 ? 4 : 2);
     float *dst = buf + m * xcols;
-    for (int64_t k = 0; k < K; k++) dst[k] = to_f32(row, xtype, k);
-    memset(dst + K, 0, (size_t)(xcols - K) * sizeof(float));
+    row_f32(row, xtype, K, dst, xcols);
     for (int64_t c = 0; act == PER_TOKEN && c < K; c += act_group) {
       const int64_t n = K - c < act_group ? K - c : act_group;
       fake_fp8(dst + c, n, dynamic_scale(amax_of(dst + c, n), eps));
