@@ -8,7 +8,12 @@ format (so its kernels' one-time costs, libraries and tables, fall before the ba
 always did; in the tables before 2026-12-01 20:31 UTC every mode warmed with INT8), builds the model
 from a seeded config (nothing downloaded) and then compiles and runs it once (`lowering="aot_eager"`
 unless `--lowering` says otherwise: Inductor's own memory would blur the weights', but it is what
-users run). Columns:
+users run). Under `--lowering inductor` each mode runs twice in a new, empty Inductor cache of its own
+(`TORCHINDUCTOR_CACHE_DIR`): the first child compiles everything (*cold cache* columns), the second
+finds its graphs there (the main columns: every run after a model's first). Every mode, the
+unquantized one too, is then measured in the same cache state; with the user's cache shared by all
+modes, a mode whose graphs were cached and one whose graphs were not differ by the compile's own
+memory. Columns:
 - *weights MiB*: RSS after the first call minus RSS just before the model was built, minus what the
   `none` mode (unquantized, same compile) holds beyond its parameter bytes (activations, compiled
   code): what the weights cost the process, the issue's "minus a weightless model of the same shape".
@@ -18,8 +23,7 @@ users run). Columns:
   runs of one mode differ by ~0.5 MiB).
 - *live MiB*: the same as *weights MiB* after `malloc_trim(0)` (glibc hands back the free pages it
   keeps): what is really allocated. The gap is heap pages that per-call temporaries made resident
-  again after the build trimmed them (mostly the `reference` backend's, on CPU the only one for FP8
-  W8A8 and FP4: bench/README.md, "Memory").
+  again after the build trimmed them (bench/README.md, "Memory").
 
 Modes `load:FORMAT` measure quantize-on-load instead: the parent saves the same model as a bf16
 checkpoint (`save_pretrained`, a temporary directory) and the child loads it with
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -119,8 +124,8 @@ transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
 """
 
 
-def _child(args: list[str], what: str) -> dict:
-    done = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, timeout=1800)
+def _child(args: list[str], what: str, env: dict | None = None) -> dict:
+    done = subprocess.run([sys.executable, "-c", *args], capture_output=True, text=True, timeout=1800, env=env)
     if done.returncode != 0:
         raise RuntimeError(f"{what} failed:\n{done.stderr[-3000:]}")
     lines = done.stdout.strip().splitlines()
@@ -128,29 +133,56 @@ def _child(args: list[str], what: str) -> dict:
 
 
 def measure(mode: str, hidden: int, layers: int, threads: int, vocab: int, lowering: str, checkpoint=None) -> dict:
+    """One child's figures; under Inductor two children sharing a new, empty Inductor cache: the first
+    compiles everything (a cold cache: `cold_*` figures), the second finds its graphs there (a warm cache,
+    every later run: the main figures)."""
     if mode.startswith("load:"):
-        return _child([LOAD_CHILD, mode, checkpoint, str(threads), str(vocab), lowering], f"mode {mode}")
-    return _child([CHILD, mode, str(hidden), str(layers), str(threads), str(vocab), lowering], f"mode {mode}")
+        args = [LOAD_CHILD, mode, checkpoint, str(threads), str(vocab), lowering]
+    else:
+        args = [CHILD, mode, str(hidden), str(layers), str(threads), str(vocab), lowering]
+    if lowering != "inductor":
+        return _child(args, f"mode {mode}")
+    with tempfile.TemporaryDirectory(prefix="quantpass-inductor-cache-") as cache:
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache}
+        cold = _child(args, f"mode {mode}, cold Inductor cache", env)
+        warm = _child(args, f"mode {mode}, warm Inductor cache", env)
+    return {**warm, **{f"cold_{key}": cold[key] for key in ("before", "after", "live", "peak")}}
+
+
+def held(rows: list[dict], prefix: str = "") -> dict[str, tuple[float, float]]:
+    """{mode: (weights, live)} bytes from the `prefix`ed figures ("", or "cold_" under Inductor): what a
+    mode's process grew by up to its first call, less what the unquantized mode grew by beyond its
+    parameter bytes (activations, compiled code)."""
+    base = next((r for r in rows if r["mode"] == "none"), None)
+
+    def grown(r, what):
+        return r[prefix + what] - r[prefix + "before"]
+
+    def extra(what):
+        return 0 if base is None else grown(base, what) - base["param_bytes"]
+
+    return {r["mode"]: (grown(r, "after") - extra("after"), grown(r, "live") - extra("live")) for r in rows}
 
 
 def table(rows: list[dict]) -> str:
     mib = 2**20
     rows = [r for r in rows if not r["mode"].startswith("load:")]
     base = next((r for r in rows if r["mode"] == "none"), None)
-    overhead = 0 if base is None else (base["after"] - base["before"]) - base["param_bytes"]
-    live_overhead = 0 if base is None else (base["live"] - base["before"]) - base["param_bytes"]
+    cold = held(rows, "cold_") if all("cold_after" in r for r in rows) else None
     lines = [
         "| mode | weights MiB | vs bf16 | live MiB | live vs bf16 | peak MiB (compile + first call) | peak vs none "
-        "| accounted MiB |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| accounted MiB |" + (" cold cache: weights MiB | vs bf16 |" if cold else ""),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + (" ---: | ---: |" if cold else ""),
     ]
+    warm = held(rows)
     for r in rows:
-        weights, live = (r["after"] - r["before"]) - overhead, (r["live"] - r["before"]) - live_overhead
+        weights, live = warm[r["mode"]]
         peak = r["peak"] - r["before"]
         peak_ratio = "" if base is None else f"{peak / (base['peak'] - base['before']):.2f}x"
         lines.append(
             f"| {r['mode']} | {weights / mib:.1f} | {weights / r['param_bytes']:.3f}x | {live / mib:.1f} | "
             f"{live / r['param_bytes']:.3f}x | {peak / mib:.0f} | {peak_ratio} | {r['accounted'] / mib:.1f} |"
+            + (f" {cold[r['mode']][0] / mib:.1f} | {cold[r['mode']][0] / r['param_bytes']:.3f}x |" if cold else "")
         )
     return "\n".join(lines)
 
@@ -180,7 +212,7 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=256, help="small: the embedding and head stay unquantized")
     parser.add_argument("--lowering", default="aot_eager", help="the backends' lowering (inductor: what users run)")
-    parser.add_argument("--csv", type=Path, default=Path("bench/out/memory.csv"))
+    parser.add_argument("--csv", type=Path, default=Path(__file__).parent / "out" / "memory.csv")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="quantpass-memory-") as checkpoint:
         if any(mode.startswith("load:") for mode in args.modes):

@@ -5,6 +5,8 @@ bit for bit, non-finite activations, the build cache, and each reason they can't
 
 import contextlib
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ from quantpass.quant_registry.keys import kInt4StaticGroup128Sym, kInt8StaticCha
 
 needs_kernel = pytest.mark.skipif(not cpu_avx2.available()[0], reason=f"kernel can't run: {cpu_avx2.available()[1]}")
 KEYS = {4: kInt4StaticGroup128Sym, 8: kInt8StaticChannelSym}
-PROBE = cpu_avx2.CSRC / "read_bandwidth.c"
+PROBE = cpu_avx2.CSRC / "bench_probes.c"
 QMAX = {"int8": 127.0, "int16": 32767.0}  # the integer modes' activation range, per block of 128
 # fp32 sums of exact products (or of exact integer dot products) against float64: >= 106 dB measured
 # on these shapes (2026-12-01); one wrong block or row would be < 40 dB, bf16 rounding alone ~50 dB.
@@ -224,3 +226,23 @@ def test_build_cache_is_reused(tmp_path, monkeypatch):
     stamp = first.stat().st_mtime_ns
     assert cpu_avx2.build(compiler, PROBE) == first and first.stat().st_mtime_ns == stamp
     assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary file left behind
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_bench_kernel_over_layers_in_one_call_matches_a_call_per_layer(bits):
+    """bench/cpu_decode.py times the kernel alone as its layers in one C call (csrc/bench_probes.c's
+    qp_linear_layers): each layer's output, written to its own poisoned buffer, is the one a call for
+    that layer alone gives, for every mode the format has."""
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    try:
+        import cpu_decode
+    finally:
+        sys.path.pop(0)
+    qts = [weight(40, 300, bits, seed) for seed in range(3)]
+    x = torch.randn(3, 300).bfloat16()
+    for mode in cpu_avx2.FORMAT_MODES[bits]:
+        outs = [torch.full((3, 40), float("nan"), dtype=torch.bfloat16) for _ in qts]
+        cpu_decode.kernel_alone(x, qts, outs, bits, cpu_avx2.MODES[mode], 2)()
+        for qt, out in zip(qts, outs, strict=True):
+            assert torch.equal(out, cpu_avx2.linear(x, qt.data, qt.scale, mode=mode)), mode
