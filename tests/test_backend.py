@@ -68,6 +68,19 @@ def test_inductor_lowering(llama, shorthand):
     assert backend.plan.summary().startswith("linear: 14 quantized")
 
 
+def test_inductor_cpp_wrapper(llama):
+    """Inductor's C++ wrapper (`torch._inductor.config.cpp_wrapper`) takes every graph input's fake value
+    from the placeholders' `val` once any placeholder has one: the quantized-weight inputs quantpass adds
+    carry what Dynamo's carry, so the model's own inputs are not read as None."""
+    model, ids, reference_logits = llama
+    _, expected = compile_logits(model, ids, linear="int8_weight_only", lowering="inductor")
+    with torch._inductor.config.patch(cpp_wrapper=True):
+        backend, logits = compile_logits(model, ids, linear="int8_weight_only", lowering="inductor")
+    assert backend.plan.summary().startswith("linear: 14 quantized")
+    assert cosine(reference_logits, logits) >= 0.99
+    torch.testing.assert_close(logits, expected, rtol=1e-3, atol=1e-3)
+
+
 def test_instances_of_one_class_share_a_graph_but_not_weights():
     blocks = [Block() for _ in range(3)]
     backend = qp.backend(linear="int8_per_channel", lowering="aot_eager")

@@ -50,12 +50,19 @@ def add_placeholders(graph: fx.Graph, names: list[str]) -> list[fx.Node]:
 
 
 def set_placeholder_values(graph: fx.Graph, nodes: list[fx.Node], values: list[torch.Tensor]) -> None:
-    """Give placeholders fake `val` metadata for these values (static shapes), as Dynamo's have."""
+    """Give placeholders fake metadata for these values (static shapes) under the keys the graph's other
+    placeholders use: Dynamo's carry `example_value` only. Inductor reads `val` when any placeholder has
+    it (its C++-wrapper mode takes every input's fake value from there), so a `val` on ours alone would
+    leave Dynamo's inputs without one."""
     fake_mode = detect_fake_mode(graph)
     if fake_mode is None:
         return
+    others = [n for n in graph.nodes if n.op == "placeholder" and n not in nodes]
+    keys = ["example_value"] + (["val"] if not others or any("val" in n.meta for n in others) else [])
     for node, value in zip(nodes, values, strict=True):
-        node.meta["val"] = node.meta["example_value"] = fake_mode.from_tensor(value, static_shapes=True)
+        fake = fake_mode.from_tensor(value, static_shapes=True)
+        for key in keys:
+            node.meta[key] = fake
 
 
 def detect_fake_mode(graph: fx.Graph):
