@@ -207,41 +207,48 @@ INLINE void tile_int4_int8(const uint8_t *acts, qlayout l, const uint8_t *w, int
  * straight into the group's sum (no int16 stage), the correction rides in lane 0 (zero-extended). The
  * activations of a group go in as [0..31, 64..95] against the low nibbles and [32..63, 96..127] against
  * the high ones (two 32-byte halves each). Integer sums are exact either way; the fp32 sums run over 16
- * lanes instead of 8, so this path's outputs differ from the AVX2 one's in the last bits. */
+ * lanes instead of 8, so this path's outputs differ from the AVX2 one's in the last bits.
+ * From R = 4 on, a tile reads rows 0, 2, 4, ... first and 1, 3, 5, ... after them: each pair of adjacent
+ * rows (a 4 KB page at K = 4096) is then read front to back as one stream instead of two interleaved
+ * ones, which the hardware prefetchers follow better (16 rows at M = 1: 8 streams, as INT8's 8 rows of
+ * 4 KB; bench/README.md, "The kernel timed alone"). Each row's sum keeps its order, so the outputs do
+ * not change. */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 INLINE VNNI void tile_int4_int8_vnni(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes,
                                      const float *s, float *res, int R, int MB) {
   const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[4][8];
+  const int passes = R >= 4 ? 2 : 1; /* rows half, half + 2, ...: each pair of rows read as one stream */
+  __m512 acc[4][16];
   for (int m = 0; m < MB; m++)
     for (int r = 0; r < R; r++) acc[m][r] = _mm512_setzero_ps();
-  for (int64_t g = 0; g < l.blocks; g++) {
-    __m512i alo[4], ahi[4];
-    for (int m = 0; m < MB; m++) {
-      const uint8_t *q = acts + m * l.stride + g * GROUP;
-      alo[m] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q)),
-                                  _mm256_loadu_si256((const __m256i *)(q + 64)), 1);
-      ahi[m] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 32))),
-                                  _mm256_loadu_si256((const __m256i *)(q + 96)), 1);
-    }
-    __m512i corr[4];
-    __m512 dx[4];
-    for (int m = 0; m < MB; m++) {
-      const uint8_t *a = acts + m * l.stride;
-      dx[m] = _mm512_set1_ps(((const float *)(a + l.blocks * l.block_bytes))[g]);
-      corr[m] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(a + l.blocks * (l.block_bytes + 4)) + g));
-    }
-    for (int r = 0; r < R; r++) {
-      const __m512i v = _mm512_loadu_si512((const void *)(w + r * row_bytes + g * 64));
-      prefetch(w + (r + R) * row_bytes + g * 64); /* the next tile's row */
-      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      const __m512 scale = _mm512_set1_ps(s[r * l.blocks + g]); /* a broadcast operand of the FMA */
+  for (int half = 0; half < passes; half++)
+    for (int64_t g = 0; g < l.blocks; g++) {
+      __m512i alo[4], ahi[4];
       for (int m = 0; m < MB; m++) {
-        const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr[m], lo, alo[m]), hi, ahi[m]);
-        acc[m][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dx[m]), scale, acc[m][r]);
+        const uint8_t *q = acts + m * l.stride + g * GROUP;
+        alo[m] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)q)),
+                                    _mm256_loadu_si256((const __m256i *)(q + 64)), 1);
+        ahi[m] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(q + 32))),
+                                    _mm256_loadu_si256((const __m256i *)(q + 96)), 1);
+      }
+      __m512i corr[4];
+      __m512 dx[4];
+      for (int m = 0; m < MB; m++) {
+        const uint8_t *a = acts + m * l.stride;
+        dx[m] = _mm512_set1_ps(((const float *)(a + l.blocks * l.block_bytes))[g]);
+        corr[m] = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)(a + l.blocks * (l.block_bytes + 4)) + g));
+      }
+      for (int r = half; r < R; r += passes) {
+        const __m512i v = _mm512_loadu_si512((const void *)(w + r * row_bytes + g * 64));
+        prefetch(w + (r + R) * row_bytes + g * 64); /* the next tile's row */
+        const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+        const __m512 scale = _mm512_set1_ps(s[r * l.blocks + g]); /* a broadcast operand of the FMA */
+        for (int m = 0; m < MB; m++) {
+          const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(corr[m], lo, alo[m]), hi, ahi[m]);
+          acc[m][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(dot), dx[m]), scale, acc[m][r]);
+        }
       }
     }
-  }
   for (int m = 0; m < MB; m++)
     for (int r = 0; r < R; r++) {
       const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(acc[m][r]),
@@ -361,10 +368,10 @@ typedef void (*tile_fn)(const problem *, const uint8_t *acts, int64_t n, float *
   TILE(exact##B, R, MB,                                                                                            \
        tile_exact((const float *)acts, p->kpad, W(p, n), p->row_bytes, p->s + n * (B == 4 ? p->kpad / GROUP : 1), \
                   p->kpad, B, res, R, MB))
-/* Rows per tile for MB = 1..4 (accumulators, decoded weights and temporaries in 16 registers), and the
- * one-row tiles for N's tail. */
+/* Rows per tile for MB = 1..4 (accumulators, decoded weights and temporaries in 16 registers; 32 for the
+ * VNNI ones), and the one-row tiles for N's tail. */
 Q4(4, 1) Q4(2, 2) Q4(1, 1) Q4(1, 2) Q4(1, 3) Q4(1, 4)
-V4(8, 1) V4(4, 2) V4(2, 3) V4(2, 4) V4(1, 1) V4(1, 2) V4(1, 3) V4(1, 4)
+V4(16, 1) V4(4, 2) V4(2, 3) V4(2, 4) V4(1, 1) V4(1, 2) V4(1, 3) V4(1, 4)
 Q8(8, 1) Q8(4, 2) Q8(2, 3) Q8(2, 4) Q8(1, 1) Q8(1, 2) Q8(1, 3) Q8(1, 4)
 EX(4, 4, 1) EX(4, 2, 2) EX(4, 2, 3) EX(4, 2, 4) EX(4, 1, 1) EX(4, 1, 2) EX(4, 1, 3) EX(4, 1, 4)
 EX(8, 4, 1) EX(8, 2, 2) EX(8, 2, 3) EX(8, 2, 4) EX(8, 1, 1) EX(8, 1, 2) EX(8, 1, 3) EX(8, 1, 4)
@@ -375,8 +382,8 @@ typedef struct {
 } tiles;
 static const tiles INT4_INT8 = {{int4_int8_4_1, int4_int8_2_2, int4_int8_1_3, int4_int8_1_4},
                                 {int4_int8_1_1, int4_int8_1_2, int4_int8_1_3, int4_int8_1_4}, {4, 2, 1, 1}};
-static const tiles INT4_VNNI = {{int4_vnni_8_1, int4_vnni_4_2, int4_vnni_2_3, int4_vnni_2_4},
-                                {int4_vnni_1_1, int4_vnni_1_2, int4_vnni_1_3, int4_vnni_1_4}, {8, 4, 2, 2}};
+static const tiles INT4_VNNI = {{int4_vnni_16_1, int4_vnni_4_2, int4_vnni_2_3, int4_vnni_2_4},
+                                {int4_vnni_1_1, int4_vnni_1_2, int4_vnni_1_3, int4_vnni_1_4}, {16, 4, 2, 2}};
 static const tiles INT8_INT16 = {{int8_int16_8_1, int8_int16_4_2, int8_int16_2_3, int8_int16_2_4},
                                  {int8_int16_1_1, int8_int16_1_2, int8_int16_1_3, int8_int16_1_4}, {8, 4, 2, 2}};
 static const tiles EXACT4 = {{exact4_4_1, exact4_2_2, exact4_2_3, exact4_2_4},
@@ -389,8 +396,8 @@ static void rows(const void *arg, int64_t n0, int64_t n1) {
   const tiles *t = p->mode == INT8 ? (p->vnni ? &INT4_VNNI : &INT4_INT8) : p->mode == INT16 ? &INT8_INT16 : p->bits == 4 ? &EXACT4 : &EXACT8;
   const int64_t act_stride = p->mode == EXACT ? p->kpad * 4 : p->l.stride;
   float res[32];
-  for (int64_t nb = n0; nb < n1; nb += 8) { /* 8 weight rows at a time: in cache while M repeats them */
-    const int64_t ne = nb + 8 < n1 ? nb + 8 : n1;
+  for (int64_t nb = n0; nb < n1; nb += 16) { /* 16 weight rows at a time: in cache while M repeats them */
+    const int64_t ne = nb + 16 < n1 ? nb + 16 : n1;
     for (int64_t m = 0; m < p->M; m += 4) {
       const int mb = p->M - m < 4 ? (int)(p->M - m) : 4, step = t->rows[mb - 1];
       const uint8_t *acts = p->acts + m * act_stride;
