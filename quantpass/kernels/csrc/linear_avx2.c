@@ -147,7 +147,11 @@ static void quantize_row(const float *xf, int mode, uint8_t *dst, qlayout l) {
 
 /* A tile of R rows reads R streams; the hardware prefetchers start late on each (a 2 KB INT4 row is half
  * a page), so each tile asks for the next tile's rows as it goes: one line per 64 bytes it reads. A
- * prefetch past the end of the weights is harmless (it never faults). */
+ * prefetch past the end of the weights is harmless (it never faults). The INT4 x int8 tiles of 4 rows
+ * and more read rows 0, 2, 4, ... first and 1, 3, 5, ... after them: each pair of adjacent rows (a 4 KB
+ * page at K = 4096) is read front to back as one stream instead of two interleaved ones, which the
+ * hardware prefetchers follow better (bench/README.md, "INT4 tiles that read each pair of rows as one
+ * stream"); each row's sum keeps its order, so the outputs do not depend on it. */
 INLINE void prefetch(const uint8_t *p) { _mm_prefetch((const char *)p, _MM_HINT_T0); }
 
 /* 16 (8) weight bytes from p where `avail` of them belong to the row; the rest read as zero */
@@ -169,35 +173,37 @@ INLINE __m128i load8(const uint8_t *p, int64_t avail) {
 INLINE void tile_int4_int8(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes, const float *s,
                            float *res, int R, int MB) {
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  __m256 acc[4][4];
+  const int passes = R >= 4 ? 2 : 1; /* rows half, half + 2, ...: each pair of rows read as one stream */
+  __m256 acc[4][8];
   for (int m = 0; m < MB; m++)
     for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < l.blocks; g++) {
-    __m256i sum[4][4];
-    for (int m = 0; m < MB; m++)
-      for (int r = 0; r < R; r++) sum[m][r] = _mm256_setzero_si256();
-    for (int c = 0; c < 2; c++) /* 32 bytes: low nibbles meet activations 64c .. +31 of the group, high +32 */
-      for (int r = 0; r < R; r++) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(w + r * row_bytes + g * 64 + c * 32));
-        if (c == 0) prefetch(w + (r + R) * row_bytes + g * 64); /* the next tile's row */
-        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
-        for (int m = 0; m < MB; m++) {
-          const uint8_t *q = acts + m * l.stride + g * GROUP + c * 64;
-          const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q));
-          const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 32)));
-          sum[m][r] = _mm256_add_epi16(sum[m][r], _mm256_add_epi16(plo, phi));
+  for (int half = 0; half < passes; half++)
+    for (int64_t g = 0; g < l.blocks; g++) {
+      __m256i sum[4][8];
+      for (int m = 0; m < MB; m++)
+        for (int r = half; r < R; r += passes) sum[m][r] = _mm256_setzero_si256();
+      for (int c = 0; c < 2; c++) /* 32 bytes: low nibbles meet activations 64c .. +31 of the group, high +32 */
+        for (int r = half; r < R; r += passes) {
+          const __m256i v = _mm256_loadu_si256((const __m256i *)(w + r * row_bytes + g * 64 + c * 32));
+          if (c == 0) prefetch(w + (r + R) * row_bytes + g * 64); /* the next tile's row */
+          const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
+          for (int m = 0; m < MB; m++) {
+            const uint8_t *q = acts + m * l.stride + g * GROUP + c * 64;
+            const __m256i plo = _mm256_maddubs_epi16(lo, _mm256_loadu_si256((const __m256i *)q));
+            const __m256i phi = _mm256_maddubs_epi16(hi, _mm256_loadu_si256((const __m256i *)(q + 32)));
+            sum[m][r] = _mm256_add_epi16(sum[m][r], _mm256_add_epi16(plo, phi));
+          }
+        }
+      for (int m = 0; m < MB; m++) {
+        const uint8_t *a = acts + m * l.stride;
+        const float dx = ((const float *)(a + l.blocks * l.block_bytes))[g];
+        const __m256i corr = _mm256_loadu_si256((const __m256i *)(a + l.blocks * (l.block_bytes + 4)) + g);
+        for (int r = half; r < R; r += passes) {
+          const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sum[m][r], ones), corr);
+          acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[r * l.blocks + g] * dx), acc[m][r]);
         }
       }
-    for (int m = 0; m < MB; m++) {
-      const uint8_t *a = acts + m * l.stride;
-      const float dx = ((const float *)(a + l.blocks * l.block_bytes))[g];
-      const __m256i corr = _mm256_loadu_si256((const __m256i *)(a + l.blocks * (l.block_bytes + 4)) + g);
-      for (int r = 0; r < R; r++) {
-        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(sum[m][r], ones), corr);
-        acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(s[r * l.blocks + g] * dx), acc[m][r]);
-      }
     }
-  }
   for (int m = 0; m < MB; m++)
     for (int r = 0; r < R; r++) res[m * R + r] = hsum(acc[m][r]);
 }
@@ -207,12 +213,8 @@ INLINE void tile_int4_int8(const uint8_t *acts, qlayout l, const uint8_t *w, int
  * straight into the group's sum (no int16 stage), the correction rides in lane 0 (zero-extended). The
  * activations of a group go in as [0..31, 64..95] against the low nibbles and [32..63, 96..127] against
  * the high ones (two 32-byte halves each). Integer sums are exact either way; the fp32 sums run over 16
- * lanes instead of 8, so this path's outputs differ from the AVX2 one's in the last bits.
- * From R = 4 on, a tile reads rows 0, 2, 4, ... first and 1, 3, 5, ... after them: each pair of adjacent
- * rows (a 4 KB page at K = 4096) is then read front to back as one stream instead of two interleaved
- * ones, which the hardware prefetchers follow better (16 rows at M = 1: 8 streams, as INT8's 8 rows of
- * 4 KB; bench/README.md, "The kernel timed alone"). Each row's sum keeps its order, so the outputs do
- * not change. */
+ * lanes instead of 8, so this path's outputs differ from the AVX2 one's in the last bits. 16 rows at
+ * M = 1: 8 streams of row pairs, as INT8's 8 rows of 4 KB. */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 INLINE VNNI void tile_int4_int8_vnni(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes,
                                      const float *s, float *res, int R, int MB) {
@@ -368,9 +370,10 @@ typedef void (*tile_fn)(const problem *, const uint8_t *acts, int64_t n, float *
   TILE(exact##B, R, MB,                                                                                            \
        tile_exact((const float *)acts, p->kpad, W(p, n), p->row_bytes, p->s + n * (B == 4 ? p->kpad / GROUP : 1), \
                   p->kpad, B, res, R, MB))
-/* Rows per tile for MB = 1..4 (accumulators, decoded weights and temporaries in 16 registers; 32 for the
- * VNNI ones), and the one-row tiles for N's tail. */
-Q4(4, 1) Q4(2, 2) Q4(1, 1) Q4(1, 2) Q4(1, 3) Q4(1, 4)
+/* Rows per tile for MB = 1..4 (accumulators, decoded weights and temporaries in 16 registers, 32 for the
+ * VNNI ones; INT4's 8-row AVX2 tile keeps some of its integer sums on the stack, measured faster than 4
+ * rows all in registers), and the one-row tiles for N's tail. */
+Q4(8, 1) Q4(2, 2) Q4(1, 1) Q4(1, 2) Q4(1, 3) Q4(1, 4)
 V4(16, 1) V4(4, 2) V4(2, 3) V4(2, 4) V4(1, 1) V4(1, 2) V4(1, 3) V4(1, 4)
 Q8(8, 1) Q8(4, 2) Q8(2, 3) Q8(2, 4) Q8(1, 1) Q8(1, 2) Q8(1, 3) Q8(1, 4)
 EX(4, 4, 1) EX(4, 2, 2) EX(4, 2, 3) EX(4, 2, 4) EX(4, 1, 1) EX(4, 1, 2) EX(4, 1, 3) EX(4, 1, 4)
@@ -380,8 +383,8 @@ typedef struct {
   tile_fn wide[4], one[4]; /* by MB - 1 */
   int rows[4];
 } tiles;
-static const tiles INT4_INT8 = {{int4_int8_4_1, int4_int8_2_2, int4_int8_1_3, int4_int8_1_4},
-                                {int4_int8_1_1, int4_int8_1_2, int4_int8_1_3, int4_int8_1_4}, {4, 2, 1, 1}};
+static const tiles INT4_INT8 = {{int4_int8_8_1, int4_int8_2_2, int4_int8_1_3, int4_int8_1_4},
+                                {int4_int8_1_1, int4_int8_1_2, int4_int8_1_3, int4_int8_1_4}, {8, 2, 1, 1}};
 static const tiles INT4_VNNI = {{int4_vnni_16_1, int4_vnni_4_2, int4_vnni_2_3, int4_vnni_2_4},
                                 {int4_vnni_1_1, int4_vnni_1_2, int4_vnni_1_3, int4_vnni_1_4}, {16, 4, 2, 2}};
 static const tiles INT8_INT16 = {{int8_int16_8_1, int8_int16_4_2, int8_int16_2_3, int8_int16_2_4},
