@@ -45,7 +45,7 @@ def _every_top16() -> torch.Tensor:
 
 @pytest.mark.parametrize("inputs", [_edge_values, _every_top16], ids=["edges", "every-top16"])
 def test_codes_and_values_match_torchao(inputs):
-    f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
+    f32_to_f4, f4_to_f32, _ = _fp4_codec()
     x = inputs()
     codes = f32_to_f4(x.contiguous())
     assert torch.equal(fp4_codes(x), codes)
@@ -57,7 +57,7 @@ def test_codes_and_values_match_torchao(inputs):
 
 
 def test_codec_keeps_shapes_and_reads_strided_inputs():
-    f32_to_f4, _, _, _ = _fp4_codec()
+    f32_to_f4, _, _ = _fp4_codec()
     x = torch.randn(3, 40, 18).mul(4).transpose(1, 2)  # not contiguous
     assert fp4_codes(x).shape == x.shape
     assert torch.equal(fp4_codes(x), f32_to_f4(x.contiguous()))
@@ -65,7 +65,7 @@ def test_codec_keeps_shapes_and_reads_strided_inputs():
 
 
 def test_decode_matches_torchao_for_every_byte():
-    _, f4_to_f32, _, unpack = _fp4_codec()
+    _, f4_to_f32, unpack = _fp4_codec()
     data = torch.arange(256, dtype=torch.uint8).reshape(2, 4, 32)
     decoded = fp4_decode(data)
     assert decoded.shape == (2, 4, 64)
@@ -77,12 +77,12 @@ def _torchao_codes(x):
 
 
 def _torchao_round(x):
-    f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
+    f32_to_f4, f4_to_f32, _ = _fp4_codec()
     return f4_to_f32(f32_to_f4(x.float().clamp(-6, 6).contiguous()))
 
 
 def _torchao_decode(data):
-    _, f4_to_f32, _, unpack = _fp4_codec()
+    _, f4_to_f32, unpack = _fp4_codec()
     return f4_to_f32(unpack(data.contiguous()))
 
 

@@ -62,9 +62,9 @@ def _fp4_codec():
     """torchao's e2m1 round-to-nearest-even conversion and low-nibble-first packing: the definition
     the lookup tables below reproduce (tests compare them), and what runs off the CPU and in traces.
     Imported only there: on CPU its import held ~4.4 MiB more for the process (bench/README.md, "Memory")."""
-    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked, pack_uint4, unpack_uint4
+    from torchao.prototype.mx_formats.kernels import f4_unpacked_to_f32, f32_to_f4_unpacked, unpack_uint4
 
-    return f32_to_f4_unpacked, f4_unpacked_to_f32, pack_uint4, unpack_uint4
+    return f32_to_f4_unpacked, f4_unpacked_to_f32, unpack_uint4
 
 
 # NVFP4's per-tensor scale is amax / (448 * 6) in fp32, as torchao's `per_tensor_amax_to_scale`
@@ -99,8 +99,9 @@ def _fp4_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return codes, values[codes.long()], pairs
 
 
-def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
-    """uint8 codes [..., C] (C even) -> [..., C/2], two per byte, first in the low nibble (torchao's order)."""
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 4-bit codes [..., C] (C even) -> [..., C/2], two per byte, first in the low nibble (INT4's
+    order and torchao's for FP4)."""
     return codes[..., 0::2] | (codes[..., 1::2] << 4)
 
 
@@ -136,7 +137,7 @@ def fp4_codes(x: torch.Tensor) -> torch.Tensor:
 def fp4_round(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> the e2m1 value each element rounds to (fp32), i.e. decode(fp4_codes(x))."""
     if not _lookup(x):
-        f32_to_f4, f4_to_f32, _, _ = _fp4_codec()
+        f32_to_f4, f4_to_f32, _ = _fp4_codec()
         return f4_to_f32(f32_to_f4(x.contiguous()))
     return _fp4_tables()[1].index_select(0, _fp4_key(x)).view(x.shape)
 
@@ -146,7 +147,7 @@ def fp4_decode(packed: torch.Tensor, out: torch.Tensor | None = None, index: tor
     `out` (contiguous fp32 of that shape) when given; `index`: int32 scratch of `packed.numel()`
     elements for the table lookup (else a new one)."""
     if not _lookup(packed):
-        _, f4_to_f32, _, unpack = _fp4_codec()
+        _, f4_to_f32, unpack = _fp4_codec()
         values = f4_to_f32(unpack(packed.contiguous()))
         return values if out is None else out.copy_(values)
     codes = packed.reshape(-1)
@@ -157,8 +158,7 @@ def fp4_decode(packed: torch.Tensor, out: torch.Tensor | None = None, index: tor
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """Signed ints in [-8, 7] -> uint8, two per byte, offset by 8, first element in the low nibble."""
-    u = (q.to(torch.int16) + 8).to(torch.uint8)
-    return u[..., 0::2] | (u[..., 1::2] << 4)
+    return pack_nibbles((q.to(torch.int16) + 8).to(torch.uint8))
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
@@ -404,7 +404,7 @@ def _encode(scaled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return (scaled if dtype == FP8 else scaled.round()).to(dtype)
     if dtype == INT4:  # exact element values, then packed two per byte
         return _pack_grouped(_round(scaled, dtype), pack_int4)
-    return _pack_grouped(fp4_codes(scaled.float()), pack_fp4)  # the codes of the rounded values are the codes
+    return _pack_grouped(fp4_codes(scaled.float()), pack_nibbles)  # the codes of the rounded values are the codes
 
 
 def _pack_grouped(values: torch.Tensor, pack) -> torch.Tensor:
