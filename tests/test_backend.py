@@ -255,6 +255,21 @@ def test_uuid_changes_with_the_config():
     assert a == QuantizePass(qp.QuantizationConfig(linear="fp8_per_block")).uuid()
 
 
+def test_uuid_covers_the_c_sources(tmp_path, monkeypatch):
+    """The C++ graph op's schema and tags shape the compiled graph: its source is part of the hash."""
+    from quantpass.passes import quantize_pass
+
+    (tmp_path / "kernels").mkdir()
+    (tmp_path / "a.py").write_text("x = 1\n")
+    source = tmp_path / "kernels" / "op.cpp"
+    monkeypatch.setattr(quantize_pass, "PACKAGE", tmp_path)
+    hashes = []
+    for text in ("// one\n", "// two\n"):
+        source.write_text(text)
+        hashes.append(quantize_pass.source_hash.__wrapped__())
+    assert hashes[0] != hashes[1]
+
+
 def test_no_quantization_behaves_like_plain_lowering():
     backend = qp.backend(lowering="aot_eager")
     torch._dynamo.reset()

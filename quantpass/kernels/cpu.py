@@ -292,7 +292,8 @@ def _on_our_kernel(weight: QTensor) -> bool:
 _LIBRARY = torch.library.Library("quantpass", "FRAGMENT")
 _LIBRARY.define(
     "linear_cpu(Tensor x, Tensor w_data, Tensor w_scale, Tensor? w_scale2, Tensor? bias, str weight_key, "
-    "str activation_key, str backend, SymInt out_features, Tensor? input_scale=None) -> Tensor"
+    "str activation_key, str backend, SymInt out_features, Tensor? input_scale=None) -> Tensor",
+    tags=cpu_op.GRAPH_OP_TAGS,
 )
 _FAST = {str(key): (BITS[key], cpu_avx2.MODES[ACTIVATION_MODES[key][0]], OURS_MAX_M[key]) for key in ACTIVATION_MODES}
 

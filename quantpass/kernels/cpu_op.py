@@ -33,6 +33,12 @@ from . import cpu_avx2
 logger = logging.getLogger("quantpass")
 
 SOURCE = cpu_avx2.CSRC / "linear_op.cpp"
+# Both graph ops' tags. Inductor's default for a custom op (exact strides) normalizes each call
+# against the schema, so its wrapper passed `input_scale=None` by keyword: on caches the previous
+# kernel flushed, a keyword costs a call 25-40 us more (bench/README.md, "A keyword argument per
+# call"). Both ops take any strides (off the fast path they call the generic op), so fixing the
+# stride order is enough.
+GRAPH_OP_TAGS = (torch.Tag.needs_fixed_stride_order,)
 FLAGS = ("-O2", "-std=c++20", "-shared", "-fPIC")
 
 

@@ -14,11 +14,15 @@ from .quantize import PassResult, quantize_graph
 PACKAGE = Path(__file__).resolve().parents[1]
 
 
+SOURCE_SUFFIXES = (".py", ".c", ".cpp", ".h")
+
+
 @functools.cache
 def source_hash() -> str:
-    """sha256 of every quantpass source file: patterns, passes and kernels all shape the graph."""
+    """sha256 of every quantpass source file: patterns, passes and kernels all shape the graph (the C++
+    graph op's schema and tags too, so its sources count)."""
     digest = hashlib.sha256()
-    for path in sorted(PACKAGE.rglob("*.py")):
+    for path in sorted(p for p in PACKAGE.rglob("*") if p.suffix in SOURCE_SUFFIXES):
         digest.update(path.relative_to(PACKAGE).as_posix().encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()

@@ -98,10 +98,12 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w_data, const at::Tenso
 
 }  // namespace
 
+// needs_fixed_stride_order: cpu_op.py's GRAPH_OP_TAGS (so Inductor's wrapper calls it with no keyword).
 TORCH_LIBRARY_FRAGMENT(quantpass, m) {
   m.def(
       "linear_cpu_cxx(Tensor x, Tensor w_data, Tensor w_scale, Tensor? w_scale2, Tensor? bias, str weight_key, "
-      "str activation_key, str backend, SymInt out_features, Tensor? input_scale=None) -> Tensor");
+      "str activation_key, str backend, SymInt out_features, Tensor? input_scale=None) -> Tensor",
+      {at::Tag::needs_fixed_stride_order});
   m.def("_cpu_op_setup(int address, str[] keys, int[] bits, int[] modes, int[] most) -> ()", &setup);
 }
 
