@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch.compiler import is_compiling
 
-from .distributed import like_param, local_tensor
+from .distributed import is_dtensor, like_param, local_tensor
 from .quant_registry.qtensor import QTensor
 
 logger = logging.getLogger("quantpass")
@@ -46,6 +46,7 @@ class ParamRecord:
     state: tuple[int, int]  # (_version, data_ptr) when last seen
     storage: torch.UntypedStorage  # pinned: its address can't be reused while we compare against it
     inference: bool  # created under inference_mode: no version counter
+    plain: bool = True  # neither inference nor a DTensor: `generation` reads its state inline
     generation: int = 0
     released: bool = False
     canonical: dict[CanonicalKey, QTensor] = field(default_factory=dict)
@@ -73,15 +74,17 @@ class WeightCache:
         if record is None:
             inference = param.is_inference()
             storage = local_tensor(param).untyped_storage()
-            record = ParamRecord(weakref.ref(param), _state(param, inference), storage, inference)
+            plain = not inference and not is_dtensor(param)
+            record = ParamRecord(weakref.ref(param), _state(param, inference), storage, inference, plain)
             self._records[id(param)] = record
             self._finalizers[id(param)] = weakref.finalize(param, self._forget, id(param))
         return record
 
     def generation(self, param: torch.Tensor) -> int:
-        """The parameter's generation, bumped first if it changed since last seen."""
+        """The parameter's generation, bumped first if it changed since last seen. Runs for every
+        quantized parameter on every compiled call: a plain tensor's state is read inline."""
         record = self._records.get(id(param)) or self.record(param)
-        state = _state(param, record.inference)
+        state = (param._version, param.data_ptr()) if record.plain else _state(param, record.inference)
         if state != record.state:
             self._changed(param, record, state)
         return record.generation
