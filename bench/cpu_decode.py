@@ -115,6 +115,7 @@ def kernel_alone(x: torch.Tensor, weights: list, outs: list[torch.Tensor], bits:
         if status:
             raise cpu_avx2.scratch_error(status)
 
+    run.tensors = (x, weights, outs)  # `args` holds raw pointers into them: they live as long as `run`
     return run
 
 
