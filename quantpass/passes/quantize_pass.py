@@ -12,8 +12,6 @@ from ..quant_registry.spec import QuantizationConfig
 from .quantize import PassResult, quantize_graph
 
 PACKAGE = Path(__file__).resolve().parents[1]
-
-
 SOURCE_SUFFIXES = (".py", ".c", ".cpp", ".h")
 
 
