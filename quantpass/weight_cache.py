@@ -46,7 +46,7 @@ class ParamRecord:
     state: tuple[int, int]  # (_version, data_ptr) when last seen
     storage: torch.UntypedStorage  # pinned: its address can't be reused while we compare against it
     inference: bool  # created under inference_mode: no version counter
-    plain: bool = True  # neither inference nor a DTensor: `generation` reads its state inline
+    plain: bool  # neither inference nor a DTensor: `generation` reads its state inline
     generation: int = 0
     released: bool = False
     canonical: dict[CanonicalKey, QTensor] = field(default_factory=dict)
