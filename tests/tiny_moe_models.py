@@ -20,6 +20,15 @@ COMMON = dict(
     max_position_embeddings=256,
     initializer_range=0.1,
 )
+# The op a rewritten MoE layer becomes: the generic one, or the cpu backend's graph op with its arguments.
+MOE_OPS = ("quantpass.fused_moe", "quantpass.fused_moe_cpu")
+
+
+def moe_op_count(counts) -> int:
+    """MoE layers lowered to a fused MoE op, from `fx_utils.op_counts`."""
+    return sum(counts[name] for name in MOE_OPS)
+
+
 CONFIGS = {
     "mixtral": lambda: transformers.MixtralConfig(
         **COMMON, intermediate_size=128, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2

@@ -31,13 +31,14 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from ..moe_problem import GateUpLayout, MoEProblem
+from ..moe_problem import ACTIVATIONS as MOE_ACTIVATIONS
+from ..moe_problem import GATE_UP_LAYOUTS, GateUpLayout, MoEProblem
 from ..quant_registry.formats import dequantize, unpack_int4
 from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
 from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import KINDS
-from . import cpu_avx2, cpu_fp4, cpu_fp8, cpu_op, ops, reference, registry
+from . import cpu_avx2, cpu_fp4, cpu_fp8, cpu_op, ops, reference
 from .reference import fake_quantize
 
 logger = logging.getLogger("quantpass")
@@ -178,9 +179,73 @@ def _prepare_experts(weight: QTensor) -> QTensor:
 
 
 def fused_moe(problem: MoEProblem) -> torch.Tensor:
-    """hidden [T, H] -> [T, H]: `reference.fused_moe`'s loop, with `linear`'s kernels per expert
-    (activation keys are fake-quantized by the loop, as the reference does)."""
+    """hidden [T, H] -> [T, H]: INT8/INT4 weight-only on our kernels in one C call (`_moe_on_our_kernels`);
+    anything else `reference.fused_moe`'s loop with `linear`'s kernels per expert (activation keys are
+    fake-quantized by the loop, as the reference does)."""
+    w13, w2, hidden = problem.w13, problem.w2, problem.hidden
+    if problem.activation_key is None and w13.key == w2.key:
+        gated = problem.gated
+        out = _moe_on_our_kernels(
+            hidden, problem.topk_weights, problem.topk_ids, w13.data, w13.scale, w2.data, w2.scale, problem.b13,
+            problem.b2, problem.expert_map, str(w13.key), gated.activation, gated.gate_up_layout,
+            problem.apply_router_weight_on_input, gated.alpha, gated.limit,
+        )  # fmt: skip
+        if out is not None:
+            return out
     return reference.fused_moe(problem, expert_matmul=_expert_matmul)
+
+
+def _moe_on_our_kernels(
+    hidden, topk_weights, topk_ids, w13_data, w13_scale, w2_data, w2_scale, b13, b2, expert_map, weight_key,
+    activation, gate_up_layout, on_input, alpha, limit,
+) -> torch.Tensor | None:  # fmt: skip
+    """A MoE layer in one call of csrc's qp_moe (hidden [T, H] -> [T, H]): the loop's steps on our
+    kernels, each expert's rows through its weights once, where every expert GEMM of the loop would run
+    on them (an INT8/INT4 weight key, our layout, T <= the kernels' largest M, dtypes they read); else
+    None. At decode the loop's Python and torch calls per expert cost as much as the kernels (measured
+    in bench/README.md, "MoE at decode"). The loop's result up to the gated activation's exp, erf or
+    tanh, which may round differently from torch's in the last bit."""
+    fast, lib = _FAST.get(weight_key), cpu_avx2.library()
+    if fast is None or lib is None:
+        return None
+    bits, mode, most = fast
+    types = cpu_avx2.DTYPES
+    htype, rtype = types.get(hidden.dtype), types.get(topk_weights.dtype)
+    btype = 0 if b13 is None else types.get(b13.dtype)
+    tensors = (w13_data, w13_scale, w2_data, w2_scale, b13, b2, expert_map)
+    if (
+        htype is None
+        or rtype is None
+        or btype is None
+        or (b13 is None) != (b2 is None)
+        or (b2 is not None and b2.dtype != b13.dtype)
+        or hidden.dim() != 2
+        or hidden.shape[0] > most
+        or w13_scale.dim() != 3
+        or w13_scale.dtype != torch.float32
+        or w2_scale.dtype != torch.float32
+        or (expert_map is not None and expert_map.dtype not in (torch.int32, torch.int64))
+        or not all(t is None or t.is_contiguous() for t in tensors)
+    ):
+        return None
+    hidden, topk_weights = hidden.contiguous(), topk_weights.contiguous()
+    topk_ids = topk_ids.to(torch.int64).contiguous()
+    out = torch.empty_like(hidden)
+    experts, kp13, kp2 = (w13_data.shape[0], *(w.shape[2] * (2 if bits == 4 else 1) for w in (w13_data, w2_data)))
+    status = lib.qp_moe(
+        hidden.data_ptr(), htype, hidden.shape[0], hidden.shape[1], topk_ids.data_ptr(), topk_ids.shape[-1],
+        None if expert_map is None else expert_map.data_ptr(), 0 if expert_map is None else expert_map.element_size(),
+        0 if expert_map is None else expert_map.numel(), topk_weights.data_ptr(), rtype, bool(on_input), experts,
+        w13_data.data_ptr(), w13_scale.data_ptr(), kp13, w2_data.data_ptr(), w2_scale.data_ptr(), kp2,
+        w13_data.shape[1] // 2, None if b13 is None else b13.data_ptr(),
+        None if b2 is None else b2.data_ptr(), btype, bits, mode, MOE_ACTIVATIONS.index(activation),
+        GATE_UP_LAYOUTS.index(gate_up_layout), alpha, limit, out.data_ptr(), torch.get_num_threads(), most,
+    )  # fmt: skip
+    if status == -3:
+        raise IndexError(f"an expert id outside the expert map or [0, {experts}) in {topk_ids.tolist()}")
+    if status:
+        raise cpu_avx2.scratch_error(status)
+    return out
 
 
 def _expert_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -308,7 +373,11 @@ def graph_linear_op(device_type: str):
     return fast or torch.ops.quantpass.linear_cpu.default
 
 
-graph_moe_op = registry.no_graph_op  # MoE goes through the generic quantpass::fused_moe
+def graph_moe_op(device_type: str):
+    """On CPU, `quantpass::fused_moe_cpu`: `quantpass::fused_moe`'s arguments as a plain torch.library
+    op with the graph ops' tag (the generic `custom_op` costs more per call, and Inductor passed its
+    defaulted input scales by keyword)."""
+    return torch.ops.quantpass.fused_moe_cpu.default if device_type == "cpu" else None
 
 
 def _graph_linear(
@@ -355,6 +424,42 @@ _LIBRARY.impl("linear_cpu", _graph_linear, "CPU")
 
 
 torch.library.register_fake("quantpass::linear_cpu")(cpu_op.fake_linear)
+
+_LIBRARY.define(
+    "fused_moe_cpu(Tensor hidden, Tensor topk_weights, Tensor topk_ids, Tensor w13_data, Tensor w13_scale, "
+    "Tensor? w13_scale2, Tensor w2_data, Tensor w2_scale, Tensor? w2_scale2, Tensor? b13, Tensor? b2, "
+    "Tensor? expert_map, str weight_key, str activation_key, str backend, str activation, str gate_up_layout, "
+    "bool apply_router_weight_on_input, SymInt intermediate_size, float alpha, float limit, "
+    "Tensor? w13_input_scale=None, Tensor? w2_input_scale=None) -> Tensor",
+    tags=cpu_op.GRAPH_OP_TAGS,
+)
+
+
+def _graph_fused_moe(
+    hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, b13, b2,
+    expert_map, weight_key, activation_key, backend, activation, gate_up_layout, apply_router_weight_on_input,
+    intermediate_size, alpha, limit, w13_input_scale=None, w2_input_scale=None,
+):  # fmt: skip
+    """`_moe_on_our_kernels` straight from the graph's arguments where it applies, else `fused_moe` as
+    `quantpass::fused_moe` calls it."""
+    if not activation_key:
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        out = _moe_on_our_kernels(
+            rows, topk_weights.reshape(rows.shape[0], -1), topk_ids.reshape(rows.shape[0], -1), w13_data, w13_scale,
+            w2_data, w2_scale, b13, b2, expert_map, weight_key, activation, gate_up_layout,
+            apply_router_weight_on_input, alpha, limit,
+        )  # fmt: skip
+        if out is not None:
+            return out.reshape(hidden.shape)
+    return ops.run_fused_moe(
+        fused_moe, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2,
+        b13, b2, expert_map, weight_key, activation_key, backend, activation, gate_up_layout,
+        apply_router_weight_on_input, intermediate_size, alpha, limit, w13_input_scale, w2_input_scale,
+    )  # fmt: skip
+
+
+_LIBRARY.impl("fused_moe_cpu", _graph_fused_moe, "CPU")
+torch.library.register_fake("quantpass::fused_moe_cpu")(lambda hidden, *args: torch.empty_like(hidden))
 
 
 # --- Reading `_convert_weight_to_int4pack_for_cpu`'s layout back: only where aten's INT4 kernel runs

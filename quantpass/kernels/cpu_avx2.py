@@ -51,6 +51,9 @@ INT4_TILES = ("avx2", "avx512-vnni")
 CAPABILITIES = ("AVX2", "AVX512")  # torch's names for x86-64 CPUs with AVX2 + FMA
 P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = (P, I64, I32, I64, I64, P, P, I64, I64, I32, P, I32, P, I64, I32, I32, I32)  # qp_linear's C signature
+# qp_moe's C signature
+_MOE_ARGS = (P, I32, I64, I64, P, I64, P, I32, I64, P, I32, I32, I64, P, P, I64, P, P, I64, I64, P, P, I32, I32, I32,
+             I32, I32, ctypes.c_float, ctypes.c_float, P, I32, I64)  # fmt: skip
 
 
 def available() -> tuple[bool, str]:
@@ -169,6 +172,7 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     if lib is None:
         return None, False, reason
     lib.qp_linear.argtypes, lib.qp_linear.restype = _ARGS, ctypes.c_int
+    lib.qp_moe.argtypes, lib.qp_moe.restype = _MOE_ARGS, ctypes.c_int
     lib.qp_scratch_bytes.argtypes, lib.qp_scratch_bytes.restype = (I64, I64, I32, I32), I64
     lib.qp_int4_vnni.argtypes, lib.qp_int4_vnni.restype = (I32,), I32
     lib.qp_int4_vnni(1)  # where the CPU has them (INT4_TILES)
@@ -202,7 +206,7 @@ def load(source: Path, fallback: str) -> tuple[ctypes.CDLL | None, str]:
     if compiler is None:
         return None, "no C compiler (cc, gcc or $CC) to build it"
     try:
-        path = build(compiler, source)
+        path = build(compiler, source, after=("-lm",))
         return ctypes.CDLL(str(path)), path.name
     except (OSError, subprocess.CalledProcessError) as error:
         detail = getattr(error, "stderr", "") or str(error)

@@ -464,3 +464,133 @@ int qp_linear(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const
   if (fresh) free(buf);
   return 0;
 }
+
+/* ---- a MoE layer: routing done, its experts' GEMMs on the kernels above, the rest here ---- */
+
+/* Row r of x [R, K] (fp32) times expert experts[r]'s weights (w + e * w_stride bytes, s + e * s_stride
+ * floats) -> out row r (fp32, ldo). Rows sorted by expert: each run of rows with one expert is one
+ * qp_linear call of up to `most` rows, so each expert's weights are read once. */
+static int experts_linear(const float *x, int64_t R, int64_t K, const int64_t *experts, const uint8_t *w,
+                          int64_t w_stride, const float *s, int64_t s_stride, int64_t N, int64_t kp, int bits,
+                          float *out, int mode, int threads, int64_t most) {
+  for (int64_t r = 0, m; r < R; r += m) {
+    const int64_t e = experts[r];
+    for (m = 1; r + m < R && m < most && experts[r + m] == e;) m++;
+    const int status = qp_linear(x + r * K, K, F32, m, K, w + e * w_stride, s + e * s_stride, N, kp, bits, NULL, 0,
+                                 out + r * N, N, F32, mode, threads);
+    if (status) return status;
+  }
+  return 0;
+}
+
+enum { SILU = 0, GELU = 1, GELU_TANH = 2, SWIGLUOAI = 3 }; /* moe_problem.MoEActivation, in its order */
+
+/* f as a `type` element holds it (rounded to nearest even), back in fp32 */
+INLINE float as_type(float f, int type) {
+  if (type == F32) return f;
+  uint16_t h;
+  store(&h, type, 0, f);
+  return to_f32(&h, type, 0);
+}
+
+/* moe_problem.GatedActivation on one (gate, up) pair, in fp32 and in torch's order of operations (its
+ * exp, erf and tanh may differ from torch's vectorized ones in the last bit) */
+INLINE float gated(float g, float u, int act, float alpha, float limit) {
+  switch (act) {
+    case SILU: return g / (1.0f + expf(-g)) * u;
+    case GELU: return g * 0.5f * (1.0f + erff(g * (float)M_SQRT1_2)) * u;
+    case GELU_TANH: {
+      const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+      return 0.5f * g * (1.0f + tanhf(beta * (g + kappa * (g * g * g)))) * u;
+    }
+    default: /* SWIGLUOAI */
+      g = g < limit ? g : limit;
+      u = u < -limit ? -limit : u > limit ? limit : u;
+      return (u + 1.0f) * (g * (1.0f / (1.0f + expf(-(g * alpha)))));
+  }
+}
+
+/* One MoE layer with routing done, as quantpass's reference computes it (kernels/reference.fused_moe, no
+ * activation key): out [T, H] (`htype`) = sum over each token's k (expert, weight) pairs of
+ * weight * expert(x), where expert(x) = w2 @ gated(w13 @ x + b13) + b2, all in fp32 with the GEMM inputs
+ * rounded to `htype` (the router weight multiplies x instead where `on_input`). ids [T, k] int64: global
+ * expert ids, through `map` ([map_len] int32 or int64: `map_bytes`; -1 another rank's expert, skipped)
+ * where given. w13 [E, 2I, kp13 (/ 2 for INT4)], s13 [E, 2I, groups], w2 [E, H, kp2 ...], s2 [E, H, ...]
+ * contiguous, as qp_linear reads them; b13 [E, 2I], b2 [E, H] (`btype`) or NULL; router [T, k] (`rtype`).
+ * `layout` 0: gate rows then up rows of w13, 1: interleaved. Each expert's rows go through its weights
+ * once (rows sorted by expert, stable), the sums per token in slot order. Returns 0; -1 if memory ran out;
+ * -3 for an expert id outside the map or [0, E). */
+int qp_moe(const void *hidden, int htype, int64_t T, int64_t H, const int64_t *ids, int64_t k, const void *map,
+           int map_bytes, int64_t map_len, const void *router, int rtype, int on_input, int64_t E, const uint8_t *w13,
+           const float *s13, int64_t kp13, const uint8_t *w2, const float *s2, int64_t kp2, int64_t I,
+           const void *b13, const void *b2, int btype, int bits, int mode, int act, int layout, float alpha,
+           float limit, void *out, int threads, int64_t most) {
+  const int64_t P = T * k, I2 = 2 * I, row13 = bits == 4 ? kp13 / 2 : kp13, row2 = bits == 4 ? kp2 / 2 : kp2;
+  const int64_t g13 = bits == 4 ? kp13 / GROUP : 1, g2 = bits == 4 ? kp2 / GROUP : 1;
+  int64_t *expert = malloc((size_t)(4 * P + E + 1) * sizeof(int64_t));
+  float *x = NULL, *h = NULL, *a = NULL, *y = NULL, *acc = NULL;
+  int status = -3;
+  if (expert == NULL) return -1;
+  int64_t *order = expert + P, *rank = order + P, *sorted = rank + P, *start = sorted + P, R = 0;
+  for (int64_t e = 0; e <= E; e++) start[e] = 0;
+  for (int64_t p = 0; p < P; p++) { /* each pair's local expert */
+    int64_t e = ids[p];
+    if (map != NULL) {
+      if (e < 0 || e >= map_len) goto done;
+      e = map_bytes == 4 ? ((const int32_t *)map)[e] : ((const int64_t *)map)[e];
+      if (e < -1) goto done;
+    }
+    if (e >= E || (map == NULL && e < 0)) goto done;
+    expert[p] = e;
+    if (e >= 0) start[e + 1]++, R++;
+  }
+  status = -1;
+  for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+  for (int64_t p = 0; p < P; p++) /* stable counting sort by expert */
+    if (expert[p] >= 0) rank[p] = start[expert[p]]++, order[rank[p]] = p;
+  for (int64_t j = 0; j < R; j++) sorted[j] = expert[order[j]];
+  x = malloc((size_t)(R * H + R * I2 + R * I + R * H + T * H) * sizeof(float) + 4);
+  if (x == NULL) goto done;
+  h = x + R * H, a = h + R * I2, y = a + R * I, acc = y + R * H;
+  const int big = R * (H + I2) > (1 << 16) && threads > 1;
+#pragma omp parallel for num_threads(threads) if (big)
+  for (int64_t j = 0; j < R; j++) { /* the rows, each its token's activations (times the router weight) */
+    const int64_t p = order[j], t = p / k;
+    const float r = on_input ? to_f32(router, rtype, p) : 1.0f;
+    for (int64_t c = 0; c < H; c++)
+      x[j * H + c] = on_input ? as_type(to_f32(hidden, htype, t * H + c) * r, htype) : to_f32(hidden, htype, t * H + c);
+  }
+  status = experts_linear(x, R, H, sorted, w13, I2 * row13, s13, I2 * g13, I2, kp13, bits, h, mode, threads, most);
+  if (status) goto done;
+#pragma omp parallel for num_threads(threads) if (big)
+  for (int64_t j = 0; j < R; j++) {
+    float *hj = h + j * I2;
+    if (b13 != NULL)
+      for (int64_t n = 0; n < I2; n++) hj[n] += to_f32(b13, btype, sorted[j] * I2 + n);
+    for (int64_t n = 0; n < I; n++) {
+      const float g = layout ? hj[2 * n] : hj[n], u = layout ? hj[2 * n + 1] : hj[I + n];
+      a[j * I + n] = as_type(gated(g, u, act, alpha, limit), htype);
+    }
+  }
+  status = experts_linear(a, R, I, sorted, w2, H * row2, s2, H * g2, H, kp2, bits, y, mode, threads, most);
+  if (status) goto done;
+#pragma omp parallel for num_threads(threads) if (big)
+  for (int64_t t = 0; t < T; t++) { /* per token, its slots in order, as index_add_ sums them */
+    float *at = acc + t * H;
+    for (int64_t c = 0; c < H; c++) at[c] = 0.0f;
+    for (int64_t p = t * k; p < (t + 1) * k; p++) {
+      if (expert[p] < 0) continue;
+      const int64_t j = rank[p], e = expert[p];
+      const float r = on_input ? 1.0f : to_f32(router, rtype, p), *yj = y + j * H;
+      for (int64_t c = 0; c < H; c++) {
+        const float v = b2 != NULL ? yj[c] + to_f32(b2, btype, e * H + c) : yj[c];
+        at[c] += on_input ? v : v * r;
+      }
+    }
+    for (int64_t c = 0; c < H; c++) store(out, htype, t * H + c, at[c]);
+  }
+done:
+  free(x);
+  free(expert);
+  return status;
+}
