@@ -205,23 +205,55 @@ def test_one_call_threads_give_the_same_output():
     assert torch.equal(one, two)
 
 
-def test_graph_op_has_the_generic_ops_arguments():
-    """`quantpass::fused_moe_cpu` takes `quantpass::fused_moe`'s arguments (the rewrite passes the same
-    ones to either), carries the graph ops' layout tag and gives the generic op's result."""
-    generic, graph_op = torch.ops.quantpass.fused_moe.default, cpu.graph_moe_op("cpu")
-    assert cpu.graph_moe_op("cuda") is None and graph_op is torch.ops.quantpass.fused_moe_cpu.default
-    assert str(graph_op._schema).split("(", 1)[1] == str(generic._schema).split("(", 1)[1]
-    assert torch.Tag.needs_fixed_stride_order in graph_op.tags
-    problem = moe_args((keys.kInt4StaticGroup128Sym, None), 3, [0, 2], True, "gelu", "interleaved", True)
-    w13, w2 = cpu.prepare_moe_weights(problem.w13, problem.w2, "interleaved")
-    args = (problem.hidden.reshape(1, 3, -1), problem.topk_weights, problem.topk_ids, w13.data, w13.scale, None,
-            w2.data, w2.scale, None, problem.b13, problem.b2, problem.expert_map, str(w13.key), "", "cpu", "gelu",
-            "interleaved", True, 48, 1.702, 7.0)  # fmt: skip
-    assert torch.equal(graph_op(*args), generic(*args))
+def graph_args(problem, weights=None):
+    """`quantpass::fused_moe`'s arguments for `problem` (weights prepared for the cpu backend)."""
+    w13, w2 = weights or cpu.prepare_moe_weights(problem.w13, problem.w2, problem.gated.gate_up_layout)
+    gated, activation = problem.gated, "" if problem.activation_key is None else str(problem.activation_key)
+    return (problem.hidden, problem.topk_weights, problem.topk_ids, w13.data, w13.scale, w13.scale2, w2.data,
+            w2.scale, w2.scale2, problem.b13, problem.b2, problem.expert_map, str(w13.key), activation, "cpu",
+            str(gated.activation), str(gated.gate_up_layout), problem.apply_router_weight_on_input,
+            problem.w2.shape[-1], gated.alpha, gated.limit)  # fmt: skip
+
+
+PYTHON_MOE = torch.ops.quantpass.fused_moe_cpu.default
+
+
+def test_graph_ops_have_the_generic_ops_arguments():
+    """Both cpu MoE graph ops take `quantpass::fused_moe`'s arguments (the rewrite passes the same ones
+    to any of them), carry the graph ops' layout tag and give the generic op's result."""
+    generic, cxx = torch.ops.quantpass.fused_moe.default, cpu.graph_moe_op("cpu")
+    assert cpu.graph_moe_op("cuda") is None
+    for op in {PYTHON_MOE, cxx}:
+        assert str(op._schema).split("(", 1)[1] == str(generic._schema).split("(", 1)[1]
+        assert torch.Tag.needs_fixed_stride_order in op.tags
+        problem = moe_args((keys.kInt4StaticGroup128Sym, None), 3, [0, 2], True, "gelu", "interleaved", True)
+        args = graph_args(replace(problem, hidden=problem.hidden.reshape(1, 3, -1)))
+        assert torch.equal(op(*args), generic(*args))
+
+
+@pytest.mark.skipif(cpu.graph_moe_op("cpu") is PYTHON_MOE, reason="no C++ op here")
+def test_cxx_op_is_the_python_op():
+    """The C++ MoE op (csrc/linear_op.cpp) against the Python one on their fast path (every case above,
+    3-D hidden too) and off it (an activation key, more tokens than the kernels' largest M, NVFP4):
+    equal bit for bit, and the same error for a bad expert id."""
+    cxx = cpu.graph_moe_op("cpu")
+    problems = [fast_problem(pair, *case) for pair in FAST_PAIRS for case in FAST_CASES]
+    problems.append(replace(problems[0], hidden=problems[0].hidden[None], topk_ids=problems[0].topk_ids[None]))
+    w8a8 = moe_args((keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym), 5, None, False, "silu", "concat", False)
+    most = cpu.OURS_MAX_M[keys.kInt4StaticGroup128Sym]
+    long = fast_problem(FAST_PAIRS[0], most + 1, None, False, "silu", "concat", False, torch.bfloat16, 2)
+    nvfp4 = moe_args((keys.kNvfp4Static, None), 5, None, True, "swigluoai", "interleaved", False)
+    for problem in (*problems, w8a8, long, nvfp4):
+        args = graph_args(problem)
+        assert torch.equal(cxx(*args), PYTHON_MOE(*args))
+    bad = graph_args(replace(problems[0], topk_ids=problems[0].topk_ids + 8))
+    for op in (cxx, PYTHON_MOE):
+        with pytest.raises(IndexError, match=r"outside the expert map or \[0, 8\)"):
+            op(*bad)
 
 
 def test_compiled_moe_calls_the_graph_op_positionally():
-    """A MoE model compiled on CPU under Inductor: each MoE layer one `quantpass::fused_moe_cpu` call,
+    """A MoE model compiled on CPU under Inductor: each MoE layer one call of the cpu MoE graph op,
     with positional arguments only (the generic op got its defaulted input scales by keyword)."""
     from tiny_models import token_ids
     from tiny_moe_models import tiny_moe
@@ -236,6 +268,5 @@ def test_compiled_moe_calls_the_graph_op_positionally():
         _, codes = run_and_get_code(compiled, token_ids(batch=1, length=1))
     calls = [line for code in codes for line in code.splitlines() if "= torch.ops.quantpass.fused_moe" in line]
     assert len(calls) == model.config.num_hidden_layers, calls
-    assert all(
-        "fused_moe_cpu.default(" in line and "=None" not in line and "input_scale" not in line for line in calls
-    ), calls
+    op = str(cpu.graph_moe_op("cpu")).removeprefix("quantpass.")  # the C++ op where it builds
+    assert all(f".{op}(" in line and "=None" not in line and "input_scale" not in line for line in calls), calls

@@ -20,8 +20,8 @@ COMMON = dict(
     max_position_embeddings=256,
     initializer_range=0.1,
 )
-# The op a rewritten MoE layer becomes: the generic one, or the cpu backend's graph op with its arguments.
-MOE_OPS = ("quantpass.fused_moe", "quantpass.fused_moe_cpu")
+# The op a rewritten MoE layer becomes: the generic one, or a cpu backend's graph op with its arguments.
+MOE_OPS = ("quantpass.fused_moe", "quantpass.fused_moe_cpu", "quantpass.fused_moe_cpu_cxx")
 
 
 def moe_op_count(counts) -> int:

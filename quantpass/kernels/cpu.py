@@ -374,10 +374,14 @@ def graph_linear_op(device_type: str):
 
 
 def graph_moe_op(device_type: str):
-    """On CPU, `quantpass::fused_moe_cpu`: `quantpass::fused_moe`'s arguments as a plain torch.library
-    op with the graph ops' tag (the generic `custom_op` costs more per call, and Inductor passed its
-    defaulted input scales by keyword)."""
-    return torch.ops.quantpass.fused_moe_cpu.default if device_type == "cpu" else None
+    """On CPU, `quantpass::fused_moe_cpu_cxx` (C++, cpu_op.py) where it builds, else
+    `quantpass::fused_moe_cpu`: `quantpass::fused_moe`'s arguments as plain torch.library ops with the
+    graph ops' tag (the generic `custom_op` costs more per call, and Inductor passed its defaulted input
+    scales by keyword)."""
+    if device_type != "cpu":
+        return None
+    fast = cpu_op.moe_op(_FAST.items()) if cpu_avx2.entry_point() is not None else None
+    return fast or torch.ops.quantpass.fused_moe_cpu.default
 
 
 def _graph_linear(
@@ -459,7 +463,7 @@ def _graph_fused_moe(
 
 
 _LIBRARY.impl("fused_moe_cpu", _graph_fused_moe, "CPU")
-torch.library.register_fake("quantpass::fused_moe_cpu")(lambda hidden, *args: torch.empty_like(hidden))
+torch.library.register_fake("quantpass::fused_moe_cpu")(cpu_op.fake_moe)
 
 
 # --- Reading `_convert_weight_to_int4pack_for_cpu`'s layout back: only where aten's INT4 kernel runs

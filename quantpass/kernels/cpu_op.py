@@ -1,17 +1,18 @@
-"""`quantpass::linear_cpu_cxx`: the cpu backend's graph op as a C++ torch.library op
-(csrc/linear_op.cpp), so a compiled graph reaches quantpass's C kernels with no Python body and no
-ctypes call in between.
+"""`quantpass::linear_cpu_cxx` and `quantpass::fused_moe_cpu_cxx`: the cpu backend's graph ops as C++
+torch.library ops (csrc/linear_op.cpp), so a compiled graph reaches quantpass's C kernels with no
+Python body and no ctypes call in between.
 
 At decode each linear's op runs right after the previous kernel streamed megabytes of weights
-through the caches, so every interpreted step of a Python op body is a cache miss: the C++ op does
-the same checks and calls the kernel's entry point directly (bench/README.md, "CPU decode at the
-bandwidth limit", has the measurement). Its schema is `quantpass::linear_cpu`'s, and anything off
-its fast path goes to that op, so both always agree.
+through the caches, so every interpreted step of a Python op body is a cache miss: the C++ ops do
+the same checks and call the kernels' entry points directly (bench/README.md, "CPU decode at the
+bandwidth limit" and "MoE at decode", has the measurements). Their schemas are `quantpass::linear_cpu`'s
+and `quantpass::fused_moe_cpu`'s, and anything off their fast paths goes to those ops, so both always
+agree.
 
 Built on first use with the system C++ compiler against the running torch's headers (~10 s, once
 per torch version; cached next to the C kernels). Where it can't be built (no C++ compiler, no torch
-headers, the C kernels unavailable, `QUANTPASS_CPU_KERNEL=0`), `op()` is None, with the reason in
-the log, and graphs call the Python `quantpass::linear_cpu`.
+headers, the C kernels unavailable, `QUANTPASS_CPU_KERNEL=0`), `op()` and `moe_op()` are None, with
+the reason in the log, and graphs call the Python ops.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from pathlib import Path
 import torch
 import torch.utils.cpp_extension as cpp_extension
 
+from ..moe_problem import ACTIVATIONS as MOE_ACTIVATIONS
+from ..moe_problem import GATE_UP_LAYOUTS
 from . import cpu_avx2
 
 logger = logging.getLogger("quantpass")
@@ -49,10 +52,20 @@ def fake_linear(
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+def fake_moe(hidden, *args):
+    """Both MoE graph ops' output, for tracing."""
+    return torch.empty_like(hidden)
+
+
 def op(fast: Iterable[tuple[str, tuple[int, int, int]]]):
-    """The C++ op, set up with the kernels' table `fast` (weight key -> (bits, mode, most rows)), or
-    None where it can't be built here (see `reason()`)."""
-    return _load(tuple(sorted(fast)))[0]
+    """The C++ linear op, set up with the kernels' table `fast` (weight key -> (bits, mode, most rows)),
+    or None where it can't be built here (see `reason()`)."""
+    return _load(tuple(sorted(fast)))[0] and torch.ops.quantpass.linear_cpu_cxx.default
+
+
+def moe_op(fast: Iterable[tuple[str, tuple[int, int, int]]]):
+    """The C++ MoE op (`quantpass::fused_moe_cpu`'s arguments), set up as `op` is, or None."""
+    return _load(tuple(sorted(fast)))[0] and torch.ops.quantpass.fused_moe_cpu_cxx.default
 
 
 def reason(fast: Iterable[tuple[str, tuple[int, int, int]]]) -> str:
@@ -81,7 +94,10 @@ def _load(fast: tuple[tuple[str, tuple[int, int, int]], ...]):
         return None, f"building csrc/{SOURCE.name} with {compiler} failed"
     keys = [key for key, _ in fast]
     bits, modes, most = ([row[i] for _, row in fast] for i in range(3))
-    address = ctypes.cast(entry, ctypes.c_void_p).value
-    torch.ops.quantpass._cpu_op_setup(address, keys, bits, modes, most)
+    address, moe_address = (ctypes.cast(f, ctypes.c_void_p).value for f in (entry, cpu_avx2.library().qp_moe))
+    layouts = [str(layout) for layout in GATE_UP_LAYOUTS]
+    activations = [str(activation) for activation in MOE_ACTIVATIONS]
+    torch.ops.quantpass._cpu_op_setup(address, moe_address, keys, bits, modes, most, activations, layouts)
     torch.library.register_fake("quantpass::linear_cpu_cxx")(fake_linear)
-    return torch.ops.quantpass.linear_cpu_cxx.default, f"C++ op ({Path(path).name})"
+    torch.library.register_fake("quantpass::fused_moe_cpu_cxx")(fake_moe)
+    return True, f"C++ ops ({Path(path).name})"

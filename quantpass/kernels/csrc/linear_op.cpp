@@ -1,23 +1,27 @@
-// quantpass::linear_cpu_cxx: the cpu backend's graph op in C++, so a compiled graph reaches the C
-// kernels (csrc/linear_avx2.c, loaded separately) without a Python body or ctypes on each call.
+// quantpass::linear_cpu_cxx and quantpass::fused_moe_cpu_cxx: the cpu backend's graph ops in C++, so a
+// compiled graph reaches the C kernels (csrc/linear_avx2.c, loaded separately) without a Python body or
+// ctypes on each call.
 //
 // Built and loaded at run time by quantpass/kernels/cpu_op.py against the running torch's headers
-// (only the few this file names, so it builds in seconds). The schema is the one of
-// quantpass::linear_cpu (defined in Python, kernels/cpu.py), quantpass::linear's arguments (input_scale:
-// a static activation key's); where the fast path does not apply (an activation key, M above the
-// format's limit, a format other than INT8/INT4, a layout or dtype the kernels don't read), this op
-// calls quantpass::linear_cpu itself, so both ops always give the same result.
+// (only the few this file names, so it builds in seconds). The schemas are those of
+// quantpass::linear_cpu and quantpass::fused_moe_cpu (defined in Python, kernels/cpu.py), the generic
+// ops' arguments (input scales: a static activation key's); where the fast path does not apply (an
+// activation key, M or T above the format's limit, a format other than INT8/INT4, a layout or dtype the
+// kernels don't read), these ops call the Python ones, so both always give the same result.
 //
-// `quantpass::_cpu_op_setup` hands over, once, the kernel's entry point (qp_linear's address) and
-// the table of weight keys the kernels run: key -> (bits, mode, most rows).
+// `quantpass::_cpu_op_setup` hands over, once, the kernels' entry points (qp_linear's and qp_moe's
+// addresses), the table of weight keys the kernels run (key -> (bits, mode, most rows)) and the MoE
+// activations and gate/up layouts in qp_moe's order.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <string>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -26,13 +30,23 @@ using Entry = int (*)(const void *x, int64_t ldx, int xtype, int64_t M, int64_t 
                       const float *s, int64_t N, int64_t kp, int bits, const void *bias, int btype, void *out,
                       int64_t ldo, int otype, int mode, int threads);
 
+// csrc/linear_avx2.c's qp_moe: a MoE layer in one call
+using MoeEntry = int (*)(const void *hidden, int htype, int64_t T, int64_t H, const int64_t *ids, int64_t k,
+                         const void *map, int map_bytes, int64_t map_len, const void *router, int rtype, int on_input,
+                         int64_t E, const uint8_t *w13, const float *s13, int64_t kp13, const uint8_t *w2,
+                         const float *s2, int64_t kp2, int64_t I, const void *b13, const void *b2, int btype, int bits,
+                         int mode, int act, int layout, float alpha, float limit, void *out, int threads,
+                         int64_t most);
+
 struct Fast {
   int bits, mode;
   int64_t most;  // the most activation rows the kernels take for this format
 };
 
 Entry entry = nullptr;
+MoeEntry moe_entry = nullptr;
 std::unordered_map<std::string, Fast> fast;
+std::vector<std::string> activations, layouts;  // moe_problem's, in qp_moe's order
 
 int type_code(c10::ScalarType type) {  // csrc/linear_avx2.c's F32, BF16, F16; -1: not read
   switch (type) {
@@ -43,13 +57,23 @@ int type_code(c10::ScalarType type) {  // csrc/linear_avx2.c's F32, BF16, F16; -
   }
 }
 
-void setup(int64_t address, std::vector<std::string> keys, std::vector<int64_t> bits, std::vector<int64_t> modes,
-           std::vector<int64_t> most) {
+void setup(int64_t address, int64_t moe_address, std::vector<std::string> keys, std::vector<int64_t> bits,
+           std::vector<int64_t> modes, std::vector<int64_t> most, std::vector<std::string> moe_activations,
+           std::vector<std::string> gate_up_layouts) {
   TORCH_CHECK(keys.size() == bits.size() && keys.size() == modes.size() && keys.size() == most.size(),
               "quantpass::_cpu_op_setup: keys, bits, modes and most must have one entry per key");
   fast.clear();
   for (size_t i = 0; i < keys.size(); i++) fast[keys[i]] = Fast{(int)bits[i], (int)modes[i], most[i]};
+  activations = std::move(moe_activations);
+  layouts = std::move(gate_up_layouts);
   entry = reinterpret_cast<Entry>(address);
+  moe_entry = reinterpret_cast<MoeEntry>(moe_address);
+}
+
+int64_t index_of(const std::vector<std::string> &names, c10::string_view name) {
+  for (size_t i = 0; i < names.size(); i++)
+    if (names[i] == name) return (int64_t)i;
+  return -1;
 }
 
 at::Tensor generic(const at::Tensor &x, const at::Tensor &w_data, const at::Tensor &w_scale,
@@ -96,6 +120,74 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w_data, const at::Tenso
                  c10::SymInt(out_features), input_scale);
 }
 
+using OptTensor = std::optional<at::Tensor>;
+
+// quantpass::fused_moe_cpu's C++ signature (fused_moe's below)
+using MoeSignature = at::Tensor(const at::Tensor &, const at::Tensor &, const at::Tensor &, const at::Tensor &,
+                                const at::Tensor &, const OptTensor &, const at::Tensor &, const at::Tensor &,
+                                const OptTensor &, const OptTensor &, const OptTensor &, const OptTensor &,
+                                c10::string_view, c10::string_view, c10::string_view, c10::string_view,
+                                c10::string_view, bool, c10::SymInt, double, double, const OptTensor &,
+                                const OptTensor &);
+
+// quantpass::fused_moe_cpu (kernels/cpu.py): the Python op, for everything off the fast path
+template <class... Args>
+at::Tensor generic_moe(Args &&...args) {
+  static const auto op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("quantpass::fused_moe_cpu", "").typed<MoeSignature>();
+  return op.call(std::forward<Args>(args)...);
+}
+
+bool contiguous(const OptTensor &t) { return !t || t->is_contiguous(); }
+
+// kernels/cpu.py's _moe_on_our_kernels, the same checks: qp_moe where they pass, else the Python op.
+at::Tensor fused_moe(const at::Tensor &hidden, const at::Tensor &topk_weights, const at::Tensor &topk_ids,
+                     const at::Tensor &w13_data, const at::Tensor &w13_scale, const OptTensor &w13_scale2,
+                     const at::Tensor &w2_data, const at::Tensor &w2_scale, const OptTensor &w2_scale2,
+                     const OptTensor &b13, const OptTensor &b2, const OptTensor &expert_map,
+                     c10::string_view weight_key, c10::string_view activation_key, c10::string_view backend,
+                     c10::string_view activation, c10::string_view gate_up_layout, bool on_input,
+                     c10::SymInt intermediate_size, double alpha, double limit, const OptTensor &w13_input_scale,
+                     const OptTensor &w2_input_scale) {
+  const auto found = moe_entry && activation_key.empty() ? fast.find(std::string(weight_key)) : fast.end();
+  const int htype = type_code(hidden.scalar_type()), rtype = type_code(topk_weights.scalar_type());
+  const int btype = b13 ? type_code(b13->scalar_type()) : 0;
+  const int64_t act = index_of(activations, activation), layout = index_of(layouts, gate_up_layout);
+  const auto map_type = expert_map ? expert_map->scalar_type() : c10::ScalarType::Int;
+  if (found != fast.end() && htype >= 0 && rtype >= 0 && btype >= 0 && act >= 0 && layout >= 0 &&
+      hidden.dim() >= 1 && !b13 == !b2 && (!b2 || b2->scalar_type() == b13->scalar_type()) &&
+      w13_scale.dim() == 3 && w13_scale.scalar_type() == c10::ScalarType::Float &&
+      w2_scale.scalar_type() == c10::ScalarType::Float &&
+      (map_type == c10::ScalarType::Int || map_type == c10::ScalarType::Long) && w13_data.is_contiguous() &&
+      w13_scale.is_contiguous() && w2_data.is_contiguous() && w2_scale.is_contiguous() && contiguous(b13) &&
+      contiguous(b2) && contiguous(expert_map)) {
+    const Fast f = found->second;
+    const at::Tensor rows = hidden.reshape({-1, hidden.size(-1)}).contiguous();
+    const int64_t T = rows.size(0), H = rows.size(1);
+    if (T <= f.most) {
+      const at::Tensor router = topk_weights.reshape({T, -1}).contiguous();
+      const at::Tensor ids = topk_ids.reshape({T, -1}).to(c10::ScalarType::Long).contiguous();
+      at::Tensor out = at::empty_like(rows);
+      const int64_t kp13 = w13_data.size(2) * (f.bits == 4 ? 2 : 1), kp2 = w2_data.size(2) * (f.bits == 4 ? 2 : 1);
+      const int status = moe_entry(
+          rows.data_ptr(), htype, T, H, ids.data_ptr<int64_t>(), ids.size(1),
+          expert_map ? expert_map->data_ptr() : nullptr, expert_map ? (int)expert_map->element_size() : 0,
+          expert_map ? expert_map->numel() : 0, router.data_ptr(), rtype, on_input, w13_data.size(0),
+          static_cast<const uint8_t *>(w13_data.data_ptr()), static_cast<const float *>(w13_scale.data_ptr()), kp13,
+          static_cast<const uint8_t *>(w2_data.data_ptr()), static_cast<const float *>(w2_scale.data_ptr()), kp2,
+          w13_data.size(1) / 2, b13 ? b13->data_ptr() : nullptr, b2 ? b2->data_ptr() : nullptr, btype, f.bits,
+          f.mode, (int)act, (int)layout, (float)alpha, (float)limit, out.data_ptr(), at::get_num_threads(), f.most);
+      TORCH_CHECK_INDEX(status != -3, "an expert id outside the expert map or [0, ", w13_data.size(0), ") in ",
+                        topk_ids);
+      TORCH_CHECK(status == 0, "quantpass's CPU kernel could not allocate its scratch (status ", status, ")");
+      return out.reshape(hidden.sizes());
+    }
+  }
+  return generic_moe(hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2,
+                     b13, b2, expert_map, weight_key, activation_key, backend, activation, gate_up_layout, on_input,
+                     std::move(intermediate_size), alpha, limit, w13_input_scale, w2_input_scale);
+}
+
 }  // namespace
 
 // needs_fixed_stride_order: cpu_op.py's GRAPH_OP_TAGS (so Inductor's wrapper calls it with no keyword).
@@ -104,7 +196,20 @@ TORCH_LIBRARY_FRAGMENT(quantpass, m) {
       "linear_cpu_cxx(Tensor x, Tensor w_data, Tensor w_scale, Tensor? w_scale2, Tensor? bias, str weight_key, "
       "str activation_key, str backend, SymInt out_features, Tensor? input_scale=None) -> Tensor",
       {at::Tag::needs_fixed_stride_order});
-  m.def("_cpu_op_setup(int address, str[] keys, int[] bits, int[] modes, int[] most) -> ()", &setup);
+  m.def(
+      "fused_moe_cpu_cxx(Tensor hidden, Tensor topk_weights, Tensor topk_ids, Tensor w13_data, Tensor w13_scale, "
+      "Tensor? w13_scale2, Tensor w2_data, Tensor w2_scale, Tensor? w2_scale2, Tensor? b13, Tensor? b2, "
+      "Tensor? expert_map, str weight_key, str activation_key, str backend, str activation, str gate_up_layout, "
+      "bool apply_router_weight_on_input, SymInt intermediate_size, float alpha, float limit, "
+      "Tensor? w13_input_scale=None, Tensor? w2_input_scale=None) -> Tensor",
+      {at::Tag::needs_fixed_stride_order});
+  m.def(
+      "_cpu_op_setup(int address, int moe_address, str[] keys, int[] bits, int[] modes, int[] most, "
+      "str[] moe_activations, str[] gate_up_layouts) -> ()",
+      &setup);
 }
 
-TORCH_LIBRARY_IMPL(quantpass, CPU, m) { m.impl("linear_cpu_cxx", &linear); }
+TORCH_LIBRARY_IMPL(quantpass, CPU, m) {
+  m.impl("linear_cpu_cxx", &linear);
+  m.impl("fused_moe_cpu_cxx", &fused_moe);
+}
