@@ -25,6 +25,7 @@ Writes `cpu_moe_decode.csv` to --out (default $OUT or bench/out/) and prints mar
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import platform
 import statistics
@@ -116,9 +117,9 @@ def qwen3_moe(name: str) -> dict:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm").to(torch.bfloat16).eval()
     fmt = cpu_decode.FORMATS[name][0]
-    ours = torch.compile(model, backend=qp.backend(linear=fmt, moe=fmt, backend="cpu"))
+    plain = torch.compile(copy.deepcopy(model))  # quantpass releases the weights of the model it compiles
     theirs = torch.compile(cpu_decode.torchao_quantized(model, name, skip="lm_head"))
-    plain = torch.compile(model)
+    ours = torch.compile(model, backend=qp.backend(linear=fmt, moe=fmt, backend="cpu"))
     ids = torch.randint(0, 1024, (1, 1))
     return {
         "quantpass (linears + experts)": lambda: ours(ids, use_cache=False).logits,

@@ -177,7 +177,8 @@ def test_one_call_where_it_applies():
 @needs_ours
 def test_one_call_refuses_bad_expert_ids_and_skips_other_ranks():
     """An expert id outside [0, E) or the expert map, or a map entry past the local experts, is refused
-    before any weight is read; a token whose experts all live on other ranks gets zeros, as in the loop."""
+    before any weight is read; a token whose experts all live on other ranks (a negative local id, mapped
+    or given) gets zeros, as in the loop."""
     problem = fast_problem(FAST_PAIRS[1], 3, [1, 4], False, "silu", "concat", False, torch.bfloat16, 2)
     ids = torch.tensor([[0, 2], [1, 4], [5, 4]])  # token 0: neither expert is local
     ok = replace(problem, topk_ids=ids)
@@ -190,6 +191,8 @@ def test_one_call_refuses_bad_expert_ids_and_skips_other_ranks():
             cpu.fused_moe(replace(problem, **change))
     with pytest.raises(IndexError, match=r"outside the expert map or \[0, 2\)"):  # 2 local experts
         cpu.fused_moe(replace(problem, expert_map=None, topk_ids=torch.tensor([[2, 0]] * 3)))
+    unmapped = replace(problem, expert_map=None, topk_ids=torch.tensor([[-1, 0], [1, -1], [-1, -1]]))
+    assert torch.equal(cpu.fused_moe(unmapped), loop(unmapped))  # a negative local id: another rank's
 
 
 @needs_ours

@@ -221,7 +221,10 @@ def _moe_on_our_kernels(
         or (b2 is not None and b2.dtype != b13.dtype)
         or hidden.dim() != 2
         or hidden.shape[0] > most
+        or topk_ids.numel() != topk_weights.numel()
+        or topk_ids.numel() != hidden.shape[0] * topk_ids.shape[-1]
         or w13_scale.dim() != 3
+        or w2_scale.dim() != 3
         or w13_scale.dtype != torch.float32
         or w2_scale.dtype != torch.float32
         or (expert_map is not None and expert_map.dtype not in (torch.int32, torch.int64))

@@ -561,8 +561,8 @@ static void gated_row(const float *h, int64_t I, int layout, int act, float alph
  * activation key): out [T, H] (`htype`) = sum over each token's k (expert, weight) pairs of
  * weight * expert(x), where expert(x) = w2 @ gated(w13 @ x + b13) + b2, all in fp32 with the GEMM inputs
  * rounded to `htype` (the router weight multiplies x instead where `on_input`). ids [T, k] int64: global
- * expert ids, through `map` ([map_len] int32 or int64: `map_bytes`; -1 another rank's expert, skipped)
- * where given. w13 [E, 2I, kp13 (/ 2 for INT4)], s13 [E, 2I, groups], w2 [E, H, kp2 ...], s2 [E, H, ...]
+ * expert ids, through `map` ([map_len] int32 or int64: `map_bytes`) where given; a negative local id is
+ * another rank's expert, skipped (as the reference's `local_ids >= 0`). w13 [E, 2I, kp13 (/ 2 for INT4)], s13 [E, 2I, groups], w2 [E, H, kp2 ...], s2 [E, H, ...]
  * contiguous, as qp_linear reads them; b13 [E, 2I], b2 [E, H] (`btype`) or NULL; router [T, k] (`rtype`).
  * `layout` 0: gate rows then up rows of w13, 1: interleaved. Each expert's rows go through its weights
  * once (rows sorted by expert, stable), the sums per token in slot order. Returns 0; -1 if memory ran out;
@@ -580,15 +580,14 @@ int qp_moe(const void *hidden, int htype, int64_t T, int64_t H, const int64_t *i
   if (expert == NULL) return -1;
   int64_t *order = expert + P, *rank = order + P, *sorted = rank + P, *start = sorted + P, R = 0;
   for (int64_t e = 0; e <= E; e++) start[e] = 0;
-  for (int64_t p = 0; p < P; p++) { /* each pair's local expert */
+  for (int64_t p = 0; p < P; p++) { /* each pair's local expert; negative: another rank's */
     int64_t e = ids[p];
     if (map != NULL) {
       if (e < 0 || e >= map_len) goto done;
       e = map_bytes == 4 ? ((const int32_t *)map)[e] : ((const int64_t *)map)[e];
-      if (e < -1) goto done;
     }
-    if (e >= E || (map == NULL && e < 0)) goto done;
-    expert[p] = e;
+    if (e >= E) goto done;
+    expert[p] = e < 0 ? -1 : e;
     if (e >= 0) start[e + 1]++, R++;
   }
   status = -1;

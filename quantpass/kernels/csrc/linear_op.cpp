@@ -164,7 +164,8 @@ at::Tensor fused_moe(const at::Tensor &hidden, const at::Tensor &topk_weights, c
     const Fast f = found->second;
     const at::Tensor rows = hidden.reshape({-1, hidden.size(-1)}).contiguous();
     const int64_t T = rows.size(0), H = rows.size(1);
-    if (T <= f.most) {
+    if (T <= f.most && topk_ids.dim() >= 1 && topk_ids.numel() == topk_weights.numel() &&
+        topk_ids.numel() == T * topk_ids.size(-1) && w2_scale.dim() == 3) {
       const at::Tensor router = topk_weights.reshape({T, -1}).contiguous();
       const at::Tensor ids = topk_ids.reshape({T, -1}).to(c10::ScalarType::Long).contiguous();
       at::Tensor out = at::empty_like(rows);
