@@ -107,6 +107,8 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
     ours, name = cpu_avx2.available()
     if ours and weight in ACTIVATION_MODES:
         bits, (mode, accuracy) = BITS[weight], ACTIVATION_MODES[weight]
+        if kind == Kind.MOE and activation is None:  # `_moe_on_our_kernels`, up to the kernels' largest M
+            loop = f"one C call per layer for T <= {OURS_MAX_M[weight]} (per-expert loop above): "
         return True, (
             f"{loop}INT{bits} on {name} with {mode} activations ({accuracy}) for M <= {OURS_MAX_M[weight]}, "
             f"dequantize + matmul above{fake}"

@@ -57,17 +57,21 @@ INLINE void store(void *out, int type, int64_t i, float f) {
   }
 }
 
-/* Scratch for the rearranged activations: a per-thread buffer kept between calls (decode sizes), or a
- * fresh allocation for larger ones (then *fresh is set: the caller frees it). NULL if allocation failed. */
+/* Scratch: a per-thread buffer in `*slot` kept between calls (decode sizes), or a fresh allocation for
+ * larger ones (then *fresh is set: the caller frees it). NULL if allocation failed. `scratch` is the
+ * kernels' (their rearranged activations); a caller that holds its own scratch across kernel calls
+ * keeps it in another slot. */
 #define KEEP_BYTES (1 << 20)
 static __thread uint8_t *kept;
 
-static uint8_t *scratch(size_t bytes, int *fresh) {
+static uint8_t *scratch_in(uint8_t **slot, size_t bytes, int *fresh) {
   *fresh = bytes > KEEP_BYTES;
   if (*fresh) return aligned_alloc(64, (bytes + 63) & ~(size_t)63);
-  if (kept == NULL) kept = aligned_alloc(64, KEEP_BYTES);
-  return kept;
+  if (*slot == NULL) *slot = aligned_alloc(64, KEEP_BYTES);
+  return *slot;
 }
+
+static uint8_t *scratch(size_t bytes, int *fresh) { return scratch_in(&kept, bytes, fresh); }
 
 /* Tiled kernels (linear_fp4.c, linear_fp8.c): a tile multiplies weight rows r0 .. r0 + R - 1 by activation rows
  * m0 .. m0 + MB - 1 (MB <= MB_MAX) into res[m * R + r]; `tile_rows` runs them over a range of weight rows and

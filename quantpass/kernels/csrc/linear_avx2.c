@@ -468,7 +468,7 @@ int qp_linear(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const
 /* ---- a MoE layer: routing done, its experts' GEMMs on the kernels above, the rest here ---- */
 
 /* Row r of x [R, K] (fp32) times expert experts[r]'s weights (w + e * w_stride bytes, s + e * s_stride
- * floats) -> out row r (fp32, ldo). Rows sorted by expert: each run of rows with one expert is one
+ * floats) -> out row r (fp32, [R, N]). Rows sorted by expert: each run of rows with one expert is one
  * qp_linear call of up to `most` rows, so each expert's weights are read once. */
 static int experts_linear(const float *x, int64_t R, int64_t K, const int64_t *experts, const uint8_t *w,
                           int64_t w_stride, const float *s, int64_t s_stride, int64_t N, int64_t kp, int bits,
@@ -484,6 +484,7 @@ static int experts_linear(const float *x, int64_t R, int64_t K, const int64_t *e
 }
 
 enum { SILU = 0, GELU = 1, GELU_TANH = 2, SWIGLUOAI = 3 }; /* moe_problem.MoEActivation, in its order */
+static __thread uint8_t *kept_moe; /* qp_moe's scratch, held across its kernel calls (which use `kept`) */
 
 /* f as a `type` element holds it (rounded to nearest even), back in fp32 */
 INLINE float as_type(float f, int type) {
@@ -494,8 +495,10 @@ INLINE float as_type(float f, int type) {
 }
 
 /* exp of 8 floats: Cephes' expf (range reduction by ln 2 in two parts, a degree-6 polynomial, the
- * exponent added in), within 2 ulp of libm's over the clamped range; what the activations below need
- * of exp, at a fraction of expf's time (6144 scalar expf calls were ~5% of a MoE layer at decode) */
+ * exponent added in): within 1 ulp of the correctly rounded exp on [-87, 88] (1.09 M points checked
+ * against double exp, 91% exact, 2026-12-02), 1.2e-38 below -87.3, inf above 88.7. What the activations
+ * below need of exp, at a fraction of expf's time (6144 scalar expf calls were ~5% of a MoE layer at
+ * decode). */
 INLINE __m256 exp8(__m256 x) {
   x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -574,7 +577,10 @@ int qp_moe(const void *hidden, int htype, int64_t T, int64_t H, const int64_t *i
            float limit, void *out, int threads, int64_t most) {
   const int64_t P = T * k, I2 = 2 * I, row13 = bits == 4 ? kp13 / 2 : kp13, row2 = bits == 4 ? kp2 / 2 : kp2;
   const int64_t g13 = bits == 4 ? kp13 / GROUP : 1, g2 = bits == 4 ? kp2 / GROUP : 1;
-  int64_t *expert = malloc((size_t)(4 * P + E + 1) * sizeof(int64_t));
+  /* the pairs' experts, order, rank, sorted experts and bucket starts, then the rows' fp32 buffers */
+  const size_t ints = (size_t)(4 * P + E + 1), floats = (size_t)(P * (2 * H + I2 + I) + T * H);
+  int fresh;
+  int64_t *expert = (int64_t *)scratch_in(&kept_moe, ints * sizeof(int64_t) + floats * sizeof(float), &fresh);
   float *x = NULL, *h = NULL, *a = NULL, *y = NULL, *acc = NULL;
   int status = -3;
   if (expert == NULL) return -1;
@@ -595,9 +601,7 @@ int qp_moe(const void *hidden, int htype, int64_t T, int64_t H, const int64_t *i
   for (int64_t p = 0; p < P; p++) /* stable counting sort by expert */
     if (expert[p] >= 0) rank[p] = start[expert[p]]++, order[rank[p]] = p;
   for (int64_t j = 0; j < R; j++) sorted[j] = expert[order[j]];
-  x = malloc((size_t)(R * H + R * I2 + R * I + R * H + T * H) * sizeof(float) + 4);
-  if (x == NULL) goto done;
-  h = x + R * H, a = h + R * I2, y = a + R * I, acc = y + R * H;
+  x = (float *)(expert + ints), h = x + R * H, a = h + R * I2, y = a + R * I, acc = y + R * H;
   const int big = R * (H + I2) > (1 << 16) && threads > 1;
 #pragma omp parallel for num_threads(threads) if (big)
   for (int64_t j = 0; j < R; j++) { /* the rows, each its token's activations (times the router weight) */
@@ -633,7 +637,6 @@ int qp_moe(const void *hidden, int htype, int64_t T, int64_t H, const int64_t *i
     for (int64_t c = 0; c < H; c++) store(out, htype, t * H + c, at[c]);
   }
 done:
-  free(x);
-  free(expert);
+  if (fresh) free(expert);
   return status;
 }
