@@ -152,8 +152,9 @@ def test_one_call_gives_the_loops_result(pair, case, monkeypatch):
 
 @needs_ours
 def test_one_call_where_it_applies():
-    """The loop runs where an expert GEMM of it would not be our kernel's: an activation key, more
-    tokens than the kernels' largest M, FP4/FP8 formats, aten's layout; and nothing changes the result."""
+    """The loop runs where an expert GEMM of it would not be our kernel's: an activation key (W8A8: the
+    one-call path is not asked), more tokens than the kernels' largest M, a format with no INT8/INT4
+    kernel (NVFP4): the one-call path answers None for those."""
     base = fast_problem(FAST_PAIRS[0], *FAST_CASES[0][:-1])
     calls = []
     real = cpu._moe_on_our_kernels
