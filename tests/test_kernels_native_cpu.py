@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from quantpass.kernels import cpu, cpu_avx2, cpu_fp4, cpu_fp8, cpu_op, oracle, reference
+from quantpass.kernels import cpu, cpu_aten_int4, cpu_avx2, cpu_fp4, cpu_fp8, cpu_op, oracle, reference
 from quantpass.kernels import torch_ops as native
 from quantpass.kernels.ops import key_arg, linear_call, prepare_weight
 from quantpass.kernels.oracle import Capability, Problem
@@ -225,22 +225,22 @@ def test_cpu_prepared_layout_and_memory(int4_kernel):
 # Rows: full blocks and a short one of every size aten takes (N % 16 == 0); K: even, not a group.
 _INT4_LAYOUT_CHECK = """
 import sys, torch
-from quantpass.kernels import cpu
+from quantpass.kernels import cpu_aten_int4
 capability = torch.backends.cpu.get_cpu_capability()
 if capability != sys.argv[1]:
     sys.exit(f"SKIP {sys.argv[1]} not available: aten runs {capability}")
-assert cpu._int4_layout() == cpu.INT4_LAYOUTS[capability], cpu._int4_layout()
+assert cpu_aten_int4.int4_layout() == cpu_aten_int4.INT4_LAYOUTS[capability], cpu_aten_int4.int4_layout()
 for rows in (16, 48, 64, 80, 112, 176, 208):
     for cols in (6, 258):
         codes = torch.randint(0, 16, (rows, cols), dtype=torch.int32)
         packed = torch._convert_weight_to_int4pack_for_cpu(codes, 1)
-        unpacked = cpu.unpack_int4_cpu(packed, rows, cols).to(torch.int32)
+        unpacked = cpu_aten_int4.unpack_int4_cpu(packed, rows, cols).to(torch.int32)
         assert torch.equal(unpacked, codes), (capability, rows, cols)
 """
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="INT4_LAYOUTS are x86-64's")
-@pytest.mark.parametrize("capability", sorted(cpu.INT4_LAYOUTS))
+@pytest.mark.parametrize("capability", sorted(cpu_aten_int4.INT4_LAYOUTS))
 def test_int4_layout_is_what_aten_packs(capability):
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability.lower(), "PYTHONPATH": os.pathsep.join(sys.path)}
     run = subprocess.run(
