@@ -196,6 +196,10 @@ def fused_moe(problem: MoEProblem) -> torch.Tensor:
         )  # fmt: skip
         if out is not None:
             return out
+    return _per_expert_loop(problem)
+
+
+def _per_expert_loop(problem: MoEProblem) -> torch.Tensor:
     return reference.fused_moe(problem, expert_matmul=_expert_matmul)
 
 
@@ -451,8 +455,8 @@ def _graph_fused_moe(
     expert_map, weight_key, activation_key, backend, activation, gate_up_layout, apply_router_weight_on_input,
     intermediate_size, alpha, limit, w13_input_scale=None, w2_input_scale=None,
 ):  # fmt: skip
-    """`_moe_on_our_kernels` straight from the graph's arguments where it applies, else `fused_moe` as
-    `quantpass::fused_moe` calls it."""
+    """`_moe_on_our_kernels` straight from the graph's arguments where it applies, else the per-expert
+    loop (what `fused_moe` would run after asking `_moe_on_our_kernels` the same question)."""
     if not activation_key:
         rows = hidden.reshape(-1, hidden.shape[-1])
         out = _moe_on_our_kernels(
@@ -463,7 +467,7 @@ def _graph_fused_moe(
         if out is not None:
             return out.reshape(hidden.shape)
     return ops.run_fused_moe(
-        fused_moe, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2,
+        _per_expert_loop, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2,
         b13, b2, expert_map, weight_key, activation_key, backend, activation, gate_up_layout,
         apply_router_weight_on_input, intermediate_size, alpha, limit, w13_input_scale, w2_input_scale,
     )  # fmt: skip
