@@ -30,6 +30,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
 from torch.compiler import is_compiling
 
 from .distributed import is_dtensor, like_param, local_tensor
@@ -314,16 +315,44 @@ def _restore_before_eager_use(module, args):
     if _CHECKED.get(module) == WEIGHTS.release_epoch:  # nothing released since its last eager call
         return
     _CHECKED[module] = WEIGHTS.release_epoch
-    # A few torch modules read their children's weights without calling them (MultiheadAttention's
-    # out_proj, the encoder layer's fast path); any other module's children get their own call.
-    params = module.parameters() if isinstance(module, _READS_CHILD_WEIGHTS) else module._parameters.values()
+    if isinstance(module, OptimizedModule):  # torch.compile(model): the wrapper's own call, not traced
+        backend = _backend_of(module)
+        if backend is None or _is_quantpass(backend):
+            return
+        # Another backend (plain `torch.compile(model)` to compare) would read the freed storages.
+        where, params = f"compiled with backend {_backend_name(backend)}", module._orig_mod.parameters()
+    else:
+        # A few torch modules read their children's weights without calling them (MultiheadAttention's
+        # out_proj, the encoder layer's fast path); any other module's children get their own call.
+        where = "runs outside the compiled model"
+        params = module.parameters() if isinstance(module, _READS_CHILD_WEIGHTS) else module._parameters.values()
     for param in params:
         if param is not None and WEIGHTS.is_released(param):
             log = logger.debug if _EAGER_GUARD[1:] else logger.warning  # one warning per process
             _EAGER_GUARD.append(True)
             log(
-                "quantpass: %s runs outside the compiled model, but quantpass released its weights after "
-                "quantizing them; restoring them dequantized (keep_original_weights=True keeps the originals)",
-                type(module).__name__,
+                "quantpass: %s %s, but quantpass released its weights after quantizing them; restoring "
+                "them dequantized (keep_original_weights=True keeps the originals)",
+                type(getattr(module, "_orig_mod", module)).__name__,
+                where,
             )
             WEIGHTS.restore(param)
+
+
+def _backend_of(wrapper: OptimizedModule):
+    """The backend `torch.compile` was given for this wrapper, or None where torch keeps it somewhere
+    else than torch 2.11-2.13 do (`tests/test_weights.py` checks each way of compiling with quantpass)."""
+    try:
+        backend = innermost_backend(wrapper.dynamo_ctx.callback)
+    except AttributeError:
+        return None
+    return getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper of a backend given options
+
+
+def _is_quantpass(backend) -> bool:
+    return str(getattr(backend, "__module__", "")).partition(".")[0] == "quantpass"
+
+
+def _backend_name(backend) -> str:
+    name = getattr(backend, "__name__", None) or type(backend).__name__
+    return "inductor" if name == "_TorchCompileInductorWrapper" else name

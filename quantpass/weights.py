@@ -11,7 +11,8 @@ model, and how:
   version counter (with `keep_original_weights=True`; a released weight has no `.data` to write).
 - `qp.state_dict(model)` and `model.state_dict()`: released weights as their dequantized values;
   `qp.state_dict(model, quantized=True)`: quantized weights as `QTensor`s (formats.py's layout).
-- Running a module eagerly after release restores its weights (weight_cache.py, with a warning).
+- Running a module eagerly after release restores its weights (weight_cache.py, with a warning), as
+  does calling `torch.compile(model)` compiled with another backend.
 
 Anything else that reads a released weight directly (`p.sum()`, `model.half()`) reads freed memory
 and can crash the process (its storage has no bytes): keep the originals for such code, or read

@@ -152,6 +152,47 @@ def test_eager_call_after_release_restores_with_a_warning(caplog):
     assert not released(model)["up.weight"]
 
 
+@pytest.mark.parametrize("other", ["inductor", "aot_eager"])
+def test_plain_torch_compile_after_release_restores_with_a_warning(other, caplog):
+    """Comparing against plain `torch.compile` on the same model object: that backend would read the
+    freed storages (Inductor: "data is not allocated yet"); the wrapper's call restores them first."""
+    model, x = Block(), torch.randn(4, 64)
+    with torch.no_grad():
+        expected = model(x)
+    compiled, _, out = compile_once(model, x, linear="int8_weight_only")
+    assert released(model)["up.weight"]
+    caplog.set_level("DEBUG", logger="quantpass")
+    with torch.no_grad():
+        plain = torch.compile(model, backend=other)(x)
+        again = compiled(x)
+    assert cosine(expected, plain) > 0.999 and torch.equal(out, again)
+    assert not any(released(model).values())
+    assert any(f"Block compiled with backend {other}, but quantpass released" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("how", ["name", "name and options", "backend object"])
+def test_quantpass_compiled_wrappers_keep_weights_released(how):
+    """The wrapper check must recognise every way of compiling with quantpass, or every quantpass
+    model would get its weights back on its next call."""
+    from quantpass.weight_cache import _backend_of, _is_quantpass
+
+    model, x = Block(), torch.randn(4, 64)
+    torch._dynamo.reset()
+    options = {"linear": "int8_weight_only"}
+    if how == "name":  # no options: quantizes nothing, but is still quantpass's
+        compiled = torch.compile(model, backend="quantpass")
+    elif how == "name and options":
+        compiled = torch.compile(model, backend="quantpass", options=options)
+    else:
+        compiled = torch.compile(model, backend=qp.backend(**options, lowering="aot_eager"))
+    assert _is_quantpass(_backend_of(compiled))
+    if how != "name":
+        with torch.no_grad():
+            first = compiled(x)
+            assert released(model)["up.weight"]
+            assert torch.equal(compiled(x), first) and released(model)["up.weight"]
+
+
 def test_a_graph_reading_a_released_weight_raw_restores_it():
     """An embedding tied to a quantized head: the graph holding the embedding is compiled before the
     graph that quantizes (and releases) the head; the next call restores it first."""
