@@ -97,10 +97,19 @@ def probe_library():
     return lib
 
 
-def kernel_alone(x: torch.Tensor, weights: list, outs: list[torch.Tensor], bits: int, mode: int, threads: int):
+def kernel_alone(
+    x: torch.Tensor,
+    weights: list,
+    outs: list[torch.Tensor],
+    bits: int,
+    mode: int,
+    threads: int,
+    kernel: ctypes.CDLL | None = None,
+):
     """A function running the INT8/INT4 kernel over every layer in one C call (csrc/bench_probes.c): the
-    kernel's own time, without a Python call per layer. x [M, K] contiguous, outs [M, N] contiguous."""
-    lib, kernel = probe_library(), cpu_avx2.library()
+    kernel's own time, without a Python call per layer. x [M, K] contiguous, outs [M, N] contiguous.
+    `kernel`: another build of csrc/linear_avx2.c (bench/kernel_ab.py), else quantpass's."""
+    lib, kernel = probe_library(), kernel or cpu_avx2.library()
     n = len(weights)
     pointers = [(ctypes.c_void_p * n)(*(t.data_ptr() for t in ts)) for ts in ([w.data for w in weights],
                 [w.scale for w in weights], outs)]  # fmt: skip

@@ -1,0 +1,91 @@
+"""Two (or more) versions of csrc/linear_avx2.c side by side: each built as its own library, timed on
+cpu_decode.py's method (8 distinct 4096x4096 layers in rotation, so the weights come from DRAM; all 8 in
+one C call, csrc/bench_probes.c), rounds interleaved, with the bandwidth probe in the same process.
+
+    git show fd98d9f:quantpass/kernels/csrc/linear_avx2.c > /tmp/old/linear_avx2.c
+    cp quantpass/kernels/csrc/cpu_common.h /tmp/old/          # the headers the old source includes
+    python bench/kernel_ab.py old=/tmp/old/linear_avx2.c new=quantpass/kernels/csrc/linear_avx2.c
+
+Each version runs INT4 on each of its tile sets (`avx2`, and `avx512-vnni` where the CPU has it).
+Prints one markdown row per (format, threads, version); writes kernel_ab.csv to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import statistics
+from pathlib import Path
+
+import cpu_decode  # bench/cpu_decode.py (scripts run from bench/)
+import results
+import torch
+
+from quantpass.kernels import cpu, cpu_avx2
+
+
+def load(source: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(cpu_avx2.build(os.environ.get("CC") or "cc", Path(source).resolve(), after=("-lm",))))
+    lib.qp_linear.argtypes, lib.qp_linear.restype = cpu_avx2._ARGS, ctypes.c_int
+    lib.qp_int4_vnni.argtypes, lib.qp_int4_vnni.restype = (ctypes.c_int,), ctypes.c_int
+    return lib
+
+
+def cases(libs: dict[str, ctypes.CDLL], name: str, threads: int) -> dict:
+    """{version (tiles): one pass over the 8 layers}"""
+    _, weights, _ = cpu_decode.layer_weights(name)
+    key = cpu_decode.FORMATS[name][1]
+    bits, mode = cpu.BITS[key], cpu_avx2.MODES[cpu.ACTIVATION_MODES[key][0]]
+    x, out = (
+        torch.randn(1, cpu_decode.SIZE, dtype=torch.bfloat16),
+        torch.empty(1, cpu_decode.SIZE, dtype=torch.bfloat16),
+    )
+    out_of = {}
+    for version, lib in libs.items():
+        for tiles in cpu_avx2.INT4_TILES if bits == 4 else ("",):
+            if tiles and cpu_avx2.INT4_TILES[lib.qp_int4_vnni(cpu_avx2.INT4_TILES.index(tiles))] != tiles:
+                continue  # this CPU lacks them
+            run = cpu_decode.kernel_alone(x, weights, [out] * cpu_decode.LAYERS, bits, mode, threads, lib)
+
+            def each(run=run, lib=lib, tiles=tiles):
+                if tiles:
+                    lib.qp_int4_vnni(cpu_avx2.INT4_TILES.index(tiles))
+                run()
+
+            out_of[f"{version} ({tiles})" if tiles else version] = each
+    return out_of, weights[0].nbytes
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("sources", nargs="+", help="NAME=PATH of a linear_avx2.c")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--formats", nargs="+", default=list(cpu_decode.FORMATS), choices=list(cpu_decode.FORMATS))
+    parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
+    args = parser.parse_args()
+    libs = {name: load(path) for name, path in (s.split("=", 1) for s in args.sources)}
+    stamp, rows = results.utc_stamp(), []
+    print(f"# kernel A/B, {stamp}; torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
+    print("| format | threads | version (INT4 tiles) | ms/layer | spread | GB/s | % of bandwidth |")
+    print("| --- | ---: | --- | ---: | --- | ---: | ---: |")
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        probe = cpu_decode.bandwidth(args.rounds, threads)
+        bandwidth = max(statistics.median(v) for k, v in probe.items() if k.startswith("read"))
+        for name in args.formats:
+            versions, nbytes = cases(libs, name, threads)
+            for version, times in results.interleaved(versions, args.rounds).items():
+                med, lo, hi = (t / cpu_decode.LAYERS for t in cpu_decode.stats(times))
+                gbps = nbytes / med / 1e9
+                rows.append(dict(format=name, threads=threads, version=version, ms=med * 1e3, min_ms=lo * 1e3,
+                                 max_ms=hi * 1e3, gbps=gbps, bandwidth=bandwidth))  # fmt: skip
+                print(f"| {name} | {threads} | {version} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} | "
+                      f"{gbps:.1f} | {gbps / bandwidth * 100:.0f}% |")  # fmt: skip
+        print(f"(bandwidth, {threads} thread(s): {bandwidth:.1f} GB/s)")
+    results.write_csv(Path(args.out) / "kernel_ab.csv", rows, {"date": stamp})
+
+
+if __name__ == "__main__":
+    main()
