@@ -6,7 +6,8 @@ one C call, csrc/bench_probes.c), rounds interleaved, with the bandwidth probe i
     cp quantpass/kernels/csrc/cpu_common.h /tmp/old/          # the headers the old source includes
     python bench/kernel_ab.py old=/tmp/old/linear_avx2.c new=quantpass/kernels/csrc/linear_avx2.c
 
-Each version runs INT4 on each of its tile sets (`avx2`, and `avx512-vnni` where the CPU has it).
+`--layers 24` puts 200 MB of INT4 weights in rotation instead of 67 MB (an L3 of 32 MB or more may
+hold part of 67 MB between passes). Each version runs INT4 on each of its tile sets (`avx2`, and `avx512-vnni` where the CPU has it).
 Prints one markdown row per (format, threads, version); writes kernel_ab.csv to --out.
 """
 
@@ -63,8 +64,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--formats", nargs="+", default=list(cpu_decode.FORMATS), choices=list(cpu_decode.FORMATS))
     parser.add_argument("--rounds", type=int, default=21)
+    parser.add_argument("--layers", type=int, default=cpu_decode.LAYERS, help="distinct weights in rotation")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
     args = parser.parse_args()
+    cpu_decode.LAYERS = args.layers  # more layers: less of the rotation fits in a large L3
     libs = {name: load(path) for name, path in (s.split("=", 1) for s in args.sources)}
     stamp, rows = results.utc_stamp(), []
     print(f"# kernel A/B, {stamp}; torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
