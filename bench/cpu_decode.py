@@ -9,7 +9,8 @@ side by side, a Llama-style model's 1-token forward, and the accuracy of each ac
 Method. Bandwidth: csrc/bench_probes.c reads 512 MiB with AVX2 as 1, 4, 8 or 16 interleaved streams
 (the kernels read 4-16 weight rows at once); the best stream count's median is "the bandwidth"; torch.sum
 over the same bytes is shown too. Layers: 8 distinct 4096x4096 bf16 linears, used in rotation, so every
-call reads its weights from DRAM (8 x 8.4 MB of INT4 or 16.8 MB of INT8 > the 48 MB L3). Per layer: the
+call reads its weights from DRAM (8 x 8.4 MB of INT4 or 16.8 MB of INT8 > a 48 MB L3; with a 32 MB one
+part of the INT4 set was seen to stay cached; bench/kernel_ab.py --layers 24 rotates 200 MB). Per layer: the
 raw kernel, all 8 layers in one C call into a preallocated output (csrc/bench_probes.c: the kernel's
 own time, which the targets judge) and called from Python once per layer (`cpu_avx2.run`, ctypes; INT4
 also on its AVX2 tiles where the AVX-512 VNNI ones are in use), the graph op called eagerly (the one

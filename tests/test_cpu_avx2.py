@@ -233,16 +233,19 @@ def test_build_cache_is_reused(tmp_path, monkeypatch):
 def test_bench_kernel_over_layers_in_one_call_matches_a_call_per_layer(bits):
     """bench/cpu_decode.py times the kernel alone as its layers in one C call (csrc/bench_probes.c's
     qp_linear_layers): each layer's output, written to its own poisoned buffer, is the one a call for
-    that layer alone gives, for every mode the format has."""
+    that layer alone gives, for every mode the format has; also through a build of the source that
+    bench/kernel_ab.py loads itself (how it times two versions side by side)."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
     try:
         import cpu_decode
+        import kernel_ab
     finally:
         sys.path.pop(0)
     qts = [weight(40, 300, bits, seed) for seed in range(3)]
     x = torch.randn(3, 300).bfloat16()
-    for mode in cpu_avx2.FORMAT_MODES[bits]:
-        outs = [torch.full((3, 40), float("nan"), dtype=torch.bfloat16) for _ in qts]
-        cpu_decode.kernel_alone(x, qts, outs, bits, cpu_avx2.MODES[mode], 2)()
-        for qt, out in zip(qts, outs, strict=True):
-            assert torch.equal(out, cpu_avx2.linear(x, qt.data, qt.scale, mode=mode)), mode
+    for kernel in (None, kernel_ab.load(str(cpu_avx2.SOURCE))):
+        for mode in cpu_avx2.FORMAT_MODES[bits]:
+            outs = [torch.full((3, 40), float("nan"), dtype=torch.bfloat16) for _ in qts]
+            cpu_decode.kernel_alone(x, qts, outs, bits, cpu_avx2.MODES[mode], 2, kernel)()
+            for qt, out in zip(qts, outs, strict=True):
+                assert torch.equal(out, cpu_avx2.linear(x, qt.data, qt.scale, mode=mode)), (kernel, mode)
