@@ -146,20 +146,11 @@ static void quantize_row(const float *xf, int mode, uint8_t *dst, qlayout l) {
 /* ---- tiles: res[m * R + r] = row r of w . activation row m, fp32 ---- */
 
 /* A tile of R rows reads R streams; the hardware prefetchers start late on each (a 2 KB INT4 row is half
- * a page), so each tile asks for the next tile (R rows, contiguous) as it goes: one line per 64 bytes it
- * reads, in address order (one stream for the memory to serve, not R), into L2 (`next = prefetch(next)`).
- * Measured on Zen 4 against the next tile's rows in the order the tile reads its own, into L1: INT8 14.0 ->
- * 18.9 GB/s, INT4 14.2 -> 19.2 GB/s at 1 thread (bench/README.md, "Prefetching the next tile in address
- * order"; not measured on an Intel CPU).
- * A prefetch past the end of the weights is harmless (it never faults). The INT4 x int8 tiles of 4 rows
- * and more read rows 0, 2, 4, ... first and 1, 3, 5, ... after them: each pair of adjacent rows (a 4 KB
- * page at K = 4096) is read front to back as one stream instead of two interleaved ones, which the
- * hardware prefetchers follow better (bench/README.md, "INT4 tiles that read each pair of rows as one
- * stream"); each row's sum keeps its order, so the outputs do not depend on it. */
-INLINE const uint8_t *prefetch(const uint8_t *p) {
-  _mm_prefetch((const char *)p, _MM_HINT_T1);
-  return p + 64;
-}
+ * a page), so each tile asks for the next tile as it goes (cpu_common.h's `prefetch`). The INT4 x int8
+ * tiles of 4 rows and more read rows 0, 2, 4, ... first and 1, 3, 5, ... after them: each pair of
+ * adjacent rows (a 4 KB page at K = 4096) is read front to back as one stream instead of two interleaved
+ * ones, which the hardware prefetchers follow better (bench/README.md, "INT4 tiles that read each pair of
+ * rows as one stream"); each row's sum keeps its order, so the outputs do not depend on it. */
 
 /* 16 (8) weight bytes from p where `avail` of them belong to the row; the rest read as zero */
 INLINE __m128i load16(const uint8_t *p, int64_t avail) {

@@ -128,6 +128,7 @@ INLINE void tile(const problem *p, int64_t r0, int64_t m0, int R, int MB, float 
   for (int r = 0; r < R; r++)
     for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
   const int64_t half = p->chunks * CHUNK;
+  const uint8_t *next = p->w + (r0 + R) * p->row_bytes;
   for (int64_t c = 0; c < p->chunks; c++) {
     const int64_t start = c * CHUNK;
     for (int r = 0; r < R; r++) {
@@ -137,7 +138,7 @@ INLINE void tile(const problem *p, int64_t r0, int64_t m0, int R, int MB, float 
       __m256 scale;
       if (c < p->full_chunks) { /* all 64 codes in the row: no division here, this runs per 32 bytes */
         v = _mm256_loadu_si256((const __m256i *)w);
-        _mm_prefetch((const char *)(w + R * p->row_bytes), _MM_HINT_T0); /* the next tile's row */
+        if (c % 2 == 0) next = prefetch(next); /* 64 bytes per two chunks */
         if (p->block == 16)
           scale = _mm256_setr_ps(p->lut[s[4 * c]], p->lut[s[4 * c]], p->lut[s[4 * c + 1]], p->lut[s[4 * c + 1]],
                                  p->lut[s[4 * c + 2]], p->lut[s[4 * c + 2]], p->lut[s[4 * c + 3]], p->lut[s[4 * c + 3]]);

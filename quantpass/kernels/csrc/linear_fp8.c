@@ -93,6 +93,7 @@ INLINE void tile(const problem *p, int64_t r0, int64_t m0, int R, int MB, float 
   const int64_t steps = p->kp / STEP, full = steps * STEP;
   __m256 acc[4][MB_MAX];
   int64_t srow[4]; /* each row's first scale: one division per tile, not per group */
+  const uint8_t *next = p->w + (r0 + R) * p->kp;
   for (int r = 0; r < R; r++) {
     srow[r] = (r0 + r) / p->srows * p->sld;
     for (int m = 0; m < MB; m++) acc[r][m] = _mm256_setzero_ps();
@@ -105,7 +106,7 @@ INLINE void tile(const problem *p, int64_t r0, int64_t m0, int R, int MB, float 
     for (int64_t s = s0; s < s1; s++) {
       for (int r = 0; r < R; r++) {
         const uint8_t *w = p->w + (r0 + r) * p->kp + s * STEP;
-        _mm_prefetch((const char *)(w + R * p->kp), _MM_HINT_T0); /* the next tile's row */
+        if (s % (64 / STEP) == 0) next = prefetch(next);
         __m256 lo, hi;
         decode(w, &lo, &hi);
         for (int m = 0; m < MB; m++) {
