@@ -340,8 +340,9 @@ def _restore_before_eager_use(module, args):
 
 
 def _backend_of(wrapper: OptimizedModule):
-    """The backend `torch.compile` was given for this wrapper, or None where torch keeps it somewhere
-    else than torch 2.11-2.13 do (`tests/test_weights.py` checks each way of compiling with quantpass)."""
+    """The backend `torch.compile` was given for this wrapper (Dynamo's private backend chain, read as
+    torch 2.13 keeps it), or None where it is not there (`tests/test_weights.py` checks that each way of
+    compiling with quantpass is recognised)."""
     try:
         backend = innermost_backend(wrapper.dynamo_ctx.callback)
     except AttributeError:
