@@ -212,8 +212,9 @@ INLINE void tile_int4_int8(const uint8_t *acts, qlayout l, const uint8_t *w, int
  * straight into the group's sum (no int16 stage), the correction rides in lane 0 (zero-extended). The
  * activations of a group go in as [0..31, 64..95] against the low nibbles and [32..63, 96..127] against
  * the high ones (two 32-byte halves each). Integer sums are exact either way; the fp32 sums run over 16
- * lanes instead of 8, so this path's outputs differ from the AVX2 one's in the last bits. 16 rows at
- * M = 1: 8 streams of row pairs, as INT8's 8 rows of 4 KB. */
+ * lanes instead of 8, so this path's outputs differ from the AVX2 one's in the last bits. 8 rows at
+ * M = 1 (a 16 KB tile): with the next tile prefetched in address order, 1.06x and 1.23x the 16-row tile
+ * at 1 thread on Zen 4, equal at 2 (bench/README.md, "Prefetching the next tile in address order"). */
 #define VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni")))
 INLINE VNNI void tile_int4_int8_vnni(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes,
                                      const float *s, float *res, int R, int MB) {
@@ -375,7 +376,7 @@ typedef void (*tile_fn)(const problem *, const uint8_t *acts, int64_t n, float *
  * VNNI ones; INT4's 8-row AVX2 tile keeps some of its integer sums on the stack, measured faster than 4
  * rows all in registers), and the one-row tiles for N's tail. */
 Q4(8, 1) Q4(2, 2) Q4(1, 1) Q4(1, 2) Q4(1, 3) Q4(1, 4)
-V4(16, 1) V4(4, 2) V4(2, 3) V4(2, 4) V4(1, 1) V4(1, 2) V4(1, 3) V4(1, 4)
+V4(8, 1) V4(4, 2) V4(2, 3) V4(2, 4) V4(1, 1) V4(1, 2) V4(1, 3) V4(1, 4)
 Q8(8, 1) Q8(4, 2) Q8(2, 3) Q8(2, 4) Q8(1, 1) Q8(1, 2) Q8(1, 3) Q8(1, 4)
 EX(4, 4, 1) EX(4, 2, 2) EX(4, 2, 3) EX(4, 2, 4) EX(4, 1, 1) EX(4, 1, 2) EX(4, 1, 3) EX(4, 1, 4)
 EX(8, 4, 1) EX(8, 2, 2) EX(8, 2, 3) EX(8, 2, 4) EX(8, 1, 1) EX(8, 1, 2) EX(8, 1, 3) EX(8, 1, 4)
@@ -386,8 +387,8 @@ typedef struct {
 } tiles;
 static const tiles INT4_INT8 = {{int4_int8_8_1, int4_int8_2_2, int4_int8_1_3, int4_int8_1_4},
                                 {int4_int8_1_1, int4_int8_1_2, int4_int8_1_3, int4_int8_1_4}, {8, 2, 1, 1}};
-static const tiles INT4_VNNI = {{int4_vnni_16_1, int4_vnni_4_2, int4_vnni_2_3, int4_vnni_2_4},
-                                {int4_vnni_1_1, int4_vnni_1_2, int4_vnni_1_3, int4_vnni_1_4}, {16, 4, 2, 2}};
+static const tiles INT4_VNNI = {{int4_vnni_8_1, int4_vnni_4_2, int4_vnni_2_3, int4_vnni_2_4},
+                                {int4_vnni_1_1, int4_vnni_1_2, int4_vnni_1_3, int4_vnni_1_4}, {8, 4, 2, 2}};
 static const tiles INT8_INT16 = {{int8_int16_8_1, int8_int16_4_2, int8_int16_2_3, int8_int16_2_4},
                                  {int8_int16_1_1, int8_int16_1_2, int8_int16_1_3, int8_int16_1_4}, {8, 4, 2, 2}};
 static const tiles EXACT4 = {{exact4_4_1, exact4_2_2, exact4_2_3, exact4_2_4},
