@@ -140,6 +140,11 @@ def bandwidth(rounds: int, threads: int) -> dict[str, list[float]]:
     return {name: [PROBE_BYTES / t / 1e9 for t in ts] for name, ts in interleaved(cases, rounds).items()}
 
 
+def best_read(probe: dict[str, list[float]]) -> float:
+    """ "The bandwidth": the best median of the AVX2 read patterns (`bandwidth`'s "read ..." cases)."""
+    return max(statistics.median(v) for k, v in probe.items() if k.startswith("read"))
+
+
 # --- layers ---
 
 
@@ -380,7 +385,7 @@ def main() -> None:
                 bw = bandwidth(args.rounds, threads)
                 for case, gbps in bw.items():
                     rows.append(dict(part="bandwidth", threads=threads, case=case, gbps=statistics.median(gbps)))
-                best_bw[threads] = max(statistics.median(v) for k, v in bw.items() if k.startswith("read"))
+                best_bw[threads] = best_read(bw)
                 print(f"\n## {threads} thread(s): bandwidth {best_bw[threads]:.2f} GB/s (" + ", ".join(
                     f"{k} {statistics.median(v):.2f}" for k, v in bw.items()) + ")")  # fmt: skip
                 print("| format | case | ms/layer (median) | spread | GB/s | % of bandwidth | vs raw |")

@@ -140,9 +140,7 @@ def main() -> None:
             torch.set_num_threads(threads)
             torch._dynamo.reset()
             if "layer" in args.parts:
-                bandwidth = max(
-                    statistics.median(v) for k, v in cpu_decode.bandwidth(5, threads).items() if "read" in k
-                )
+                bandwidth = cpu_decode.best_read(cpu_decode.bandwidth(5, threads))
                 print(f"\n## layer, {threads} thread(s), bandwidth {bandwidth:.2f} GB/s")
                 print("| format | case | ms (median) | spread | GB/s | % of bandwidth | vs kernels alone |")
                 print("| --- | --- | --- | --- | --- | --- | --- |")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import statistics
 from pathlib import Path
 
 import cpu_decode  # bench/cpu_decode.py (scripts run from bench/)
@@ -27,14 +26,13 @@ from quantpass.kernels import cpu, cpu_avx2
 
 
 def load(source: str) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(cpu_avx2.build(os.environ.get("CC") or "cc", Path(source).resolve(), after=("-lm",))))
-    lib.qp_linear.argtypes, lib.qp_linear.restype = cpu_avx2._ARGS, ctypes.c_int
-    lib.qp_int4_vnni.argtypes, lib.qp_int4_vnni.restype = (ctypes.c_int,), ctypes.c_int
-    return lib
+    """This version of the source, built as quantpass builds its own (a build error raises)."""
+    path = cpu_avx2.build(os.environ.get("CC") or "cc", Path(source).resolve(), after=("-lm",))
+    return cpu_avx2.with_signatures(ctypes.CDLL(str(path)))
 
 
 def cases(libs: dict[str, ctypes.CDLL], name: str, threads: int) -> dict:
-    """{version (tiles): one pass over the 8 layers}"""
+    """{version (tiles): one pass over the layers in rotation}"""
     _, weights, _ = cpu_decode.layer_weights(name)
     key = cpu_decode.FORMATS[name][1]
     bits, mode = cpu.BITS[key], cpu_avx2.MODES[cpu.ACTIVATION_MODES[key][0]]
@@ -75,8 +73,7 @@ def main() -> None:
     print("| --- | ---: | --- | ---: | --- | ---: | ---: |")
     for threads in args.threads:
         torch.set_num_threads(threads)
-        probe = cpu_decode.bandwidth(args.rounds, threads)
-        bandwidth = max(statistics.median(v) for k, v in probe.items() if k.startswith("read"))
+        bandwidth = cpu_decode.best_read(cpu_decode.bandwidth(args.rounds, threads))
         for name in args.formats:
             versions, nbytes = cases(libs, name, threads)
             for version, times in results.interleaved(versions, args.rounds).items():

@@ -171,12 +171,18 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     lib, reason = load(SOURCE, "using aten's")
     if lib is None:
         return None, False, reason
+    with_signatures(lib).qp_int4_vnni(1)  # where the CPU has them (INT4_TILES)
+    return lib, True, f"quantpass's AVX2 kernels ({reason})"
+
+
+def with_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """A build of csrc/linear_avx2.c with its functions' C signatures set (also for bench/kernel_ab.py's
+    builds of other versions of the source)."""
     lib.qp_linear.argtypes, lib.qp_linear.restype = _ARGS, ctypes.c_int
     lib.qp_moe.argtypes, lib.qp_moe.restype = _MOE_ARGS, ctypes.c_int
     lib.qp_scratch_bytes.argtypes, lib.qp_scratch_bytes.restype = (I64, I64, I32, I32), I64
     lib.qp_int4_vnni.argtypes, lib.qp_int4_vnni.restype = (I32,), I32
-    lib.qp_int4_vnni(1)  # where the CPU has them (INT4_TILES)
-    return lib, True, f"quantpass's AVX2 kernels ({reason})"
+    return lib
 
 
 def format_kernel(source: Path, function: str, argtypes: tuple, name: str):
