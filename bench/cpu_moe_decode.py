@@ -3,6 +3,7 @@ layer at T=1 against its experts' kernels alone, and a MoE model's 1-token forwa
 
     python bench/cpu_moe_decode.py                      # both parts, INT4 and INT8, 1 and 2 threads
     python bench/cpu_moe_decode.py --parts layer --threads 1 --rounds 21
+    python bench/cpu_moe_decode.py --parts layer --formats fp8 mxfp4 nvfp4   # the FP kernels' one call
 
 Method. Layer: Qwen3-30B-A3B's expert shapes (hidden 2048, expert intermediate 768, top 8) with 64
 experts (the model has 128; 64 keep quantizing quick and are 151 MiB as INT4, 302 MiB as INT8, over
@@ -12,8 +13,11 @@ spread (min-max) over rounds, wall time: the routed experts' 16 GEMMs as two C c
 (csrc/bench_probes.c, no Python between the GEMMs: the kernels' own time, "kernels alone"); the graph
 op a compiled graph calls, eager (`cpu.graph_moe_op`: the C++ op where it builds); the Python graph op
 (`quantpass::fused_moe_cpu`); the per-expert loop with the same kernels (`reference.fused_moe` with
-the cpu backend's matmul: what the backend ran before 2026-12-02). GB/s counts the routed experts'
-quantized weights and scales once. Model: `Qwen3MoeForCausalLM` (hidden 2048, 32 experts of 768, top
+the cpu backend's matmul: what the backend ran before 2026-12-02 for INT8/INT4, and before 2026-12-02
+09:00 UTC for the FP formats). FP8 (per channel), MXFP4 and NVFP4 (weight-only; layer part only):
+their kernels have no C entry taking several layers, so in place of "kernels alone" their 16 expert
+GEMMs are timed as a Python call each (`cpu_fp8.linear`, `cpu_fp4.linear`: the kernels plus ~20-40 us
+of Python and ctypes per call). GB/s counts the routed experts' quantized weights and scales once. Model: `Qwen3MoeForCausalLM` (hidden 2048, 32 experts of 768, top
 8, 2 layers, 16/4 attention heads, vocab 1024), bf16, one token, no cache, compiled three ways:
 quantpass (linears and experts in the format), torchao (`quantize_` with the same config as
 cpu_decode.py: it quantizes `nn.Linear` layers, so the experts, 3-D parameters, stay bf16; lm_head
@@ -39,21 +43,30 @@ import quantpass as qp
 from quantpass.kernels import cpu, cpu_avx2, reference
 from quantpass.moe_problem import GatedActivation, MoEProblem
 from quantpass.quant_registry import formats
+from quantpass.quant_registry.keys import kFp8StaticChannelSym, kMxfp4Static, kNvfp4Static
 
 HIDDEN, INTER, EXPERTS, TOP_K, ROUTINGS = 2048, 768, 64, 8, 8
-KERNELS_ALONE, GRAPH_OP, PYTHON_OP, LOOP = (
+KERNELS_ALONE, GEMM_CALLS, GRAPH_OP, PYTHON_OP, LOOP = (
     "kernels alone (16 GEMMs, two C calls)",
+    "16 expert GEMMs, a Python call each",
     "graph op (what compiled graphs call)",
     "Python graph op (quantpass::fused_moe_cpu)",
     "per-expert loop (before 2026-12-02)",
 )
+# the layer part's formats: weight keys (INT8 and INT4 as cpu_decode.py names them, then the FP kernels')
+KEYS = {
+    **{name: key for name, (_, key) in cpu_decode.FORMATS.items()},
+    "fp8": kFp8StaticChannelSym,
+    "mxfp4": kMxfp4Static,
+    "nvfp4": kNvfp4Static,
+}
 
 
 def parse_args():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", nargs="+", default=["layer", "model"], choices=["layer", "model"])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--formats", nargs="+", default=list(cpu_decode.FORMATS), choices=list(cpu_decode.FORMATS))
+    parser.add_argument("--formats", nargs="+", default=list(cpu_decode.FORMATS), choices=list(KEYS))
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
     return parser.parse_args()
@@ -61,7 +74,7 @@ def parse_args():
 
 def experts(name: str):
     """64 experts' w13 [E, 2I, H] and w2 [E, H, I], quantized and prepared for the cpu backend."""
-    key = cpu_decode.FORMATS[name][1]
+    key = KEYS[name]
     gen = torch.Generator().manual_seed(0)
     w13 = formats.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN**0.5, key)
     w2 = formats.quantize(torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER**0.5, key)
@@ -70,8 +83,7 @@ def experts(name: str):
 
 def layer_cases(name: str, w13, w2, threads: int) -> tuple[dict, int]:
     """{case: one call per routing in turn}, and the bytes one call's routed experts hold."""
-    key = cpu_decode.FORMATS[name][1]
-    bits, mode = cpu.BITS[key], cpu_avx2.MODES[cpu.ACTIVATION_MODES[key][0]]
+    key = KEYS[name]
     gen = torch.Generator().manual_seed(1)
     problems = []
     for _ in range(ROUTINGS):
@@ -81,21 +93,28 @@ def layer_cases(name: str, w13, w2, threads: int) -> tuple[dict, int]:
         problems.append(MoEProblem(hidden, weights, ids, w13, w2, GatedActivation("silu", "concat"), None))
     x13, x2 = torch.randn(1, HIDDEN).bfloat16(), torch.randn(1, INTER).bfloat16()
     o13, o2 = torch.empty(1, 2 * INTER), torch.empty(1, HIDDEN)
-    alone = []
+    family, alone = cpu.FORMAT_KERNELS.get(key), []
     for p in problems:
         routed = p.topk_ids[0].tolist()
+        if family is not None:  # a Python call per expert GEMM (no C entry takes several layers)
+            experts13, experts2 = [w13[e] for e in routed], [w2[e] for e in routed]
+            alone.append(
+                [lambda a=experts13, b=experts2: [family.linear(x, w) for x, ws in ((x13, a), (x2, b)) for w in ws]]
+            )
+            continue
+        bits, mode = cpu.BITS[key], cpu_avx2.MODES[cpu.ACTIVATION_MODES[key][0]]
         first = cpu_decode.kernel_alone(x13, [w13[e] for e in routed], [o13] * TOP_K, bits, mode, threads)
         second = cpu_decode.kernel_alone(x2, [w2[e] for e in routed], [o2] * TOP_K, bits, mode, threads)
         alone.append((first, second))
     graph_op, python_op = cpu.graph_moe_op("cpu"), torch.ops.quantpass.fused_moe_cpu.default
-    args = [(p.hidden, p.topk_weights, p.topk_ids, w13.data, w13.scale, None, w2.data, w2.scale, None, None, None,
+    args = [(p.hidden, p.topk_weights, p.topk_ids, w13.data, w13.scale, w13.scale2, w2.data, w2.scale, w2.scale2, None, None,
              None, str(key), "", "cpu", "silu", "concat", False, INTER, 0.0, 0.0) for p in problems]  # fmt: skip
 
     def each(fn):
         return lambda: [fn(i) for i in range(ROUTINGS)]
 
     cases = {
-        KERNELS_ALONE: each(lambda i: [run() for run in alone[i]]),
+        (KERNELS_ALONE if family is None else GEMM_CALLS): each(lambda i: [run() for run in alone[i]]),
         GRAPH_OP: each(lambda i: graph_op(*args[i])),
         PYTHON_OP: each(lambda i: python_op(*args[i])),
         LOOP: each(lambda i: reference.fused_moe(problems[i], expert_matmul=cpu._expert_matmul)),
@@ -142,12 +161,12 @@ def main() -> None:
             if "layer" in args.parts:
                 bandwidth = cpu_decode.best_read(cpu_decode.bandwidth(5, threads))
                 print(f"\n## layer, {threads} thread(s), bandwidth {bandwidth:.2f} GB/s")
-                print("| format | case | ms (median) | spread | GB/s | % of bandwidth | vs kernels alone |")
+                print("| format | case | ms (median) | spread | GB/s | % of bandwidth | vs the first case |")
                 print("| --- | --- | --- | --- | --- | --- | --- |")
                 for name in args.formats:
                     cases, nbytes = layer_cases(name, *weights[name], threads)
                     times = cpu_decode.interleaved(cases, args.rounds)
-                    alone = statistics.median(times[KERNELS_ALONE])
+                    alone = statistics.median(next(iter(times.values())))  # kernels alone, or their calls
                     for case, samples in times.items():
                         med, lo, hi = (t / ROUTINGS for t in cpu_decode.stats(samples))
                         gbps = nbytes / med / 1e9
@@ -158,7 +177,7 @@ def main() -> None:
                         print(f"| {name} | {case} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} | {gbps:.2f} | "
                               f"{gbps / bandwidth * 100:.0f}% | {ratio:.2f}x |")  # fmt: skip
             if "model" in args.parts:
-                for name in args.formats:
+                for name in (name for name in args.formats if name in cpu_decode.FORMATS):
                     times = cpu_decode.interleaved(qwen3_moe(name), args.rounds)
                     med = {case: statistics.median(ts) for case, ts in times.items()}
                     ours = med["quantpass (linears + experts)"]

@@ -104,7 +104,8 @@ def test_oracle_picks_cpu_moe_on_cpu_only():
         )
 
 
-FAST_PAIRS = [(keys.kInt4StaticGroup128Sym, None), (keys.kInt8StaticChannelSym, None)]
+# every weight-only MoE pair the oracle gives the cpu backend: one C call per layer (qp_moe, qp_moe_fp8, qp_moe_fp4)
+FAST_PAIRS = [pair for pair in PAIRS if pair[1] is None]
 FAST_CASES = [  # tokens, local experts, bias, activation, layout, router on input, hidden dtype, top k of 8, scale
     (1, None, False, "silu", "concat", False, torch.bfloat16, 6, 1),
     (1, [1, 3], True, "gelu_tanh", "interleaved", True, torch.float16, 2, 1),
@@ -133,12 +134,14 @@ def loop(problem):
 @pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: str(p[0]))
 @pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: f"T{c[0]}-{c[3]}-{c[6]}-x{c[8]}")
 def test_one_call_gives_the_loops_result(pair, case, monkeypatch):
-    """INT8/INT4 weight-only: the whole layer in one C call (csrc's qp_moe), into an output poisoned with
-    NaN, against the per-expert loop on the same kernels: experts shared by several tokens (T >= 5), up
+    """Weight-only, every format: the whole layer in one C call (csrc/moe_layer.h), into an output
+    poisoned with NaN, against the per-expert loop on the same kernels: experts shared by several tokens (T >= 5), up
     to every expert per token, non-local experts, biases, each activation and layout, the router weight
     on the input, each activation dtype, and activations large enough (x 300) that exp saturates. The
-    same but for the gated activation's exp/erf/tanh (qp_moe's, not torch's vectorized ones): measured
-    2026-12-02, bf16/fp16 outputs equal bit for bit, fp32 ones at >= 153 dB with >= 96% of them equal."""
+    same but for the gated activation's exp/erf/tanh (moe_layer.h's, not torch's vectorized ones):
+    measured 2026-12-02, bf16/fp16 outputs equal bit for bit, fp32 ones at >= 146 dB with >= 80% of them
+    equal (FP8's products are exact fp32 ones, so a last-bit difference in the activation carries
+    through; the integer kernels' int8/int16 activations absorb most: >= 96% equal)."""
     problem = fast_problem(pair, *case[:-1])
     problem = replace(problem, hidden=problem.hidden * case[-1])
     want = loop(problem)
@@ -147,15 +150,15 @@ def test_one_call_gives_the_loops_result(pair, case, monkeypatch):
     got = cpu.fused_moe(problem)
     monkeypatch.undo()
     assert got.dtype == want.dtype and got.shape == want.shape and not got.isnan().any()
-    assert sqnr(want.float(), got.float()) >= 100 and (got == want).float().mean() >= 0.9
+    equal = 0.75 if got.dtype == torch.float32 else 0.99
+    assert sqnr(want.float(), got.float()) >= 140 and (got == want).float().mean() >= equal
 
 
 @needs_ours
 def test_one_call_where_it_applies():
     """The loop runs where an expert GEMM of it would not be our kernel's: an activation key (W8A8: the
-    one-call path is not asked), more tokens than the kernels' largest M, a format with no INT8/INT4
-    kernel (NVFP4): the one-call path answers None for those."""
-    base = fast_problem(FAST_PAIRS[0], *FAST_CASES[0][:-1])
+    one-call path is not asked), more tokens than the kernel's largest M (INT4's, FP8's), experts not
+    stored contiguously: the one-call path answers None for those."""
     calls = []
     real = cpu._moe_on_our_kernels
 
@@ -163,24 +166,31 @@ def test_one_call_where_it_applies():
         calls.append(real(*args))
         return calls[-1]
 
+    def long(problem, tokens):
+        rows = (problem.hidden, problem.topk_ids, problem.topk_weights)
+        hidden, ids, weights = (t.expand(tokens, -1) for t in rows)
+        return replace(problem, hidden=hidden, topk_ids=ids, topk_weights=weights)
+
+    int4 = fast_problem((keys.kInt4StaticGroup128Sym, None), *FAST_CASES[0][:-1])
+    fp8 = fast_problem((keys.kFp8StaticChannelSym, None), *FAST_CASES[0][:-1])
+    nvfp4 = fast_problem((keys.kNvfp4Static, None), *FAST_CASES[0][:-1])
     w8a8 = moe_args((keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym), 1, None, False, "silu", "concat", False)
-    long = replace(base, hidden=base.hidden.expand(cpu.OURS_MAX_M[base.w13.key] + 1, -1))
-    long = replace(long, topk_ids=long.topk_ids.expand(long.hidden.shape[0], -1))
-    long = replace(long, topk_weights=long.topk_weights.expand(long.hidden.shape[0], -1))
-    nvfp4 = moe_args((keys.kNvfp4Static, None), 1, None, False, "silu", "concat", False)
+    strided = replace(nvfp4, w13=replace(nvfp4.w13, data=nvfp4.w13.data.transpose(1, 2).contiguous().transpose(1, 2)))
+    too_long = (long(int4, cpu.OURS_MAX_M[int4.w13.key] + 1), long(fp8, cpu.cpu_fp8.MAX_M + 1))
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "_moe_on_our_kernels", spy)
-        for problem in (base, w8a8, long, nvfp4):
+        for problem in (int4, fp8, nvfp4, w8a8, *too_long, strided):
             cpu.fused_moe(problem)
-    assert calls[0] is not None and calls[1:] == [None, None], calls  # W8A8 never asks; too long, NVFP4: None
+    assert all(c is not None for c in calls[:3]) and calls[3:] == [None] * 3, calls  # W8A8 never asks
 
 
 @needs_ours
-def test_one_call_refuses_bad_expert_ids_and_skips_other_ranks():
+@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: str(p[0]))
+def test_one_call_refuses_bad_expert_ids_and_skips_other_ranks(pair):
     """An expert id outside [0, E) or the expert map, or a map entry past the local experts, is refused
     before any weight is read; a token whose experts all live on other ranks (a negative local id, mapped
     or given) gets zeros, as in the loop."""
-    problem = fast_problem(FAST_PAIRS[1], 3, [1, 4], False, "silu", "concat", False, torch.bfloat16, 2)
+    problem = fast_problem(pair, 3, [1, 4], False, "silu", "concat", False, torch.bfloat16, 2)
     ids = torch.tensor([[0, 2], [1, 4], [5, 4]])  # token 0: neither expert is local
     ok = replace(problem, topk_ids=ids)
     got = cpu.fused_moe(ok)
@@ -197,10 +207,12 @@ def test_one_call_refuses_bad_expert_ids_and_skips_other_ranks():
 
 
 @needs_ours
-def test_one_call_threads_give_the_same_output():
-    """Enough rows that qp_moe splits its gather, activation and sums over threads: 1 and 2 threads
-    give the same output bit for bit."""
-    problem = fast_problem(FAST_PAIRS[0], 96, None, True, "swigluoai", "interleaved", False, torch.bfloat16, 6)
+@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: str(p[0]))
+def test_one_call_threads_give_the_same_output(pair, monkeypatch):
+    """Enough rows that the one call splits its gather, activation and sums over threads (64 tokens: within
+    every kernel's largest M): 1 and 2 threads give the same output bit for bit."""
+    problem = fast_problem(pair, 64, None, True, "swigluoai", "interleaved", False, torch.bfloat16, 6)
+    monkeypatch.setattr(cpu, "_per_expert_loop", None)  # the one call, or a TypeError
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -248,7 +260,9 @@ def test_cxx_op_is_the_python_op():
     problems.append(replace(problems[0], hidden=problems[0].hidden[None], topk_ids=problems[0].topk_ids[None]))
     w8a8 = moe_args((keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym), 5, None, False, "silu", "concat", False)
     most = cpu.OURS_MAX_M[keys.kInt4StaticGroup128Sym]
-    long = fast_problem(FAST_PAIRS[0], most + 1, None, False, "silu", "concat", False, torch.bfloat16, 2)
+    long = fast_problem(
+        (keys.kInt4StaticGroup128Sym, None), most + 1, None, False, "silu", "concat", False, torch.bfloat16, 2
+    )
     nvfp4 = moe_args((keys.kNvfp4Static, None), 5, None, True, "swigluoai", "interleaved", False)
     for problem in (*problems, w8a8, long, nvfp4):
         args = graph_args(problem)

@@ -16,9 +16,10 @@ quantpass's FP4 kernel (cpu_fp4.py) and every FP8 format on its FP8 kernel (cpu_
 Every weight has one prepared copy: ours is the quantized weight itself; aten's replaces it, and the
 large-M path dequantizes per call. A compiled graph calls `quantpass::linear_cpu_cxx` (C++,
 cpu_op.py) or, where that can't be built, `quantpass::linear_cpu` (`graph_linear_op`): both go
-straight to our kernel when they can. `fused_moe` runs an INT8/INT4 weight-only MoE layer in one C
-call (`_moe_on_our_kernels`; graphs call `quantpass::fused_moe_cpu_cxx` or `quantpass::fused_moe_cpu`,
-`graph_moe_op`) and anything else as the reference's per-expert loop with these kernels per expert.
+straight to our kernel when they can. `fused_moe` runs a weight-only MoE layer (INT8, INT4, FP8, MXFP4,
+NVFP4) in one C call (`_moe_on_our_kernels`; graphs call `quantpass::fused_moe_cpu_cxx`, C++ for INT8 and
+INT4, or `quantpass::fused_moe_cpu`, `graph_moe_op`) and anything else as the reference's per-expert
+loop with these kernels per expert.
 aten's INT4 layout is read back in cpu_aten_int4.py. Measurements: bench/README.md ("CPU decode at the
 bandwidth limit", "MoE at decode", "Results: CPU").
 """
@@ -57,6 +58,7 @@ BITS = {kInt8StaticChannelSym: 8, kInt4StaticGroup128Sym: 4}
 # supports(weight, activation), linear(x, weight, activation, bias). They read the quantized weight as
 # it is (contiguous): nothing to prepare.
 FORMAT_KERNELS = {key: module for module in (cpu_fp4, cpu_fp8) for key in module.MODES}
+_FORMAT_KERNELS_BY_NAME = {str(key): (key, module) for key, module in FORMAT_KERNELS.items()}
 # INT8 W8A8 runs the same kernels on per-token fake-quantized activations: identical math to an
 # int8 x int8 GEMM with both scales in the epilogue, ~10x faster here than torch._int_mm
 # (bench/README.md, "Measurements behind choices in the code").
@@ -100,8 +102,9 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
         if kind != Kind.MOE:
             return family.supports(weight, activation)
         ok, reason = family.supports(weight, None)  # the loop quantizes the activations, as the reference's
-        by_loop = "" if activation is None else f"{activation} activations by the loop, "
-        return ok, f"per-expert loop: {by_loop}{reason}"
+        if activation is None:  # `_moe_on_our_kernels`, up to the kernel's largest M
+            return ok, f"one C call per layer for T <= {family.MAX_M} (per-expert loop above): {reason}"
+        return ok, f"per-expert loop: {activation} activations by the loop, {reason}"
     if activation not in ACTIVATIONS.get(weight, (None,)):
         return False, f"no CPU kernel for weight {weight} with activation {activation}"
     loop = "per-expert loop: " if kind == Kind.MOE else ""
@@ -183,16 +186,16 @@ def _prepare_experts(weight: QTensor) -> QTensor:
 
 
 def fused_moe(problem: MoEProblem) -> torch.Tensor:
-    """hidden [T, H] -> [T, H]: INT8/INT4 weight-only on our kernels in one C call (`_moe_on_our_kernels`);
+    """hidden [T, H] -> [T, H]: weight-only layers on our kernels in one C call (`_moe_on_our_kernels`);
     anything else `reference.fused_moe`'s loop with `linear`'s kernels per expert (activation keys are
     fake-quantized by the loop, as the reference does)."""
     w13, w2, hidden = problem.w13, problem.w2, problem.hidden
     if problem.activation_key is None and w13.key == w2.key:
         gated = problem.gated
         out = _moe_on_our_kernels(
-            hidden, problem.topk_weights, problem.topk_ids, w13.data, w13.scale, w2.data, w2.scale, problem.b13,
-            problem.b2, problem.expert_map, str(w13.key), gated.activation, gated.gate_up_layout,
-            problem.apply_router_weight_on_input, gated.alpha, gated.limit,
+            hidden, problem.topk_weights, problem.topk_ids, w13.data, w13.scale, w13.scale2, w2.data, w2.scale,
+            w2.scale2, problem.b13, problem.b2, problem.expert_map, str(w13.key), gated.activation,
+            gated.gate_up_layout, problem.apply_router_weight_on_input, gated.alpha, gated.limit,
         )  # fmt: skip
         if out is not None:
             return out
@@ -204,23 +207,23 @@ def _per_expert_loop(problem: MoEProblem) -> torch.Tensor:
 
 
 def _moe_on_our_kernels(
-    hidden, topk_weights, topk_ids, w13_data, w13_scale, w2_data, w2_scale, b13, b2, expert_map, weight_key,
-    activation, gate_up_layout, on_input, alpha, limit,
+    hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, b13, b2,
+    expert_map, weight_key, activation, gate_up_layout, on_input, alpha, limit,
 ) -> torch.Tensor | None:  # fmt: skip
-    """A MoE layer in one call of csrc's qp_moe (hidden [T, H] -> [T, H]): the loop's steps on our
-    kernels, each expert's rows through its weights once, where every expert GEMM of the loop would run
-    on them (an INT8/INT4 weight key, our layout, T <= the kernels' largest M, dtypes they read); else
-    None. At decode the loop's Python and torch calls per expert cost as much as the kernels (measured
-    in bench/README.md, "MoE at decode"). The loop's result up to the gated activation's exp, erf or
-    tanh, which may round differently from torch's in the last bit."""
-    fast, lib = _FAST.get(weight_key), cpu_avx2.library()
-    if fast is None or lib is None:
+    """A weight-only MoE layer in one C call (hidden [T, H] -> [T, H]): csrc/moe_layer.h's steps of the
+    loop with each expert's rows through its weights once, on the kernel every expert GEMM of the loop
+    would run (INT8/INT4: qp_moe; FP8: qp_moe_fp8; MXFP4, NVFP4: qp_moe_fp4), where the kernel reads the
+    weights as they are, T <= its largest M and the dtypes are ones it reads; else None. At decode the
+    loop's Python and torch calls per expert cost as much as the kernels (bench/README.md, "MoE at
+    decode"). The loop's result up to the gated activation's exp, erf or tanh, which may round
+    differently from torch's in the last bit."""
+    experts = _moe_experts(weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
+    if experts is None:
         return None
-    bits, mode, most = fast
+    entry, weights, most, _held = experts  # `weights` points into `_held`'s tensors: held through the call
     types = cpu_avx2.DTYPES
     htype, rtype = types.get(hidden.dtype), types.get(topk_weights.dtype)
     btype = 0 if b13 is None else types.get(b13.dtype)
-    tensors = (w13_data, w13_scale, w2_data, w2_scale, b13, b2, expert_map)
     if (
         htype is None
         or rtype is None
@@ -231,32 +234,56 @@ def _moe_on_our_kernels(
         or hidden.shape[0] > most
         or topk_ids.numel() != topk_weights.numel()
         or topk_ids.numel() != hidden.shape[0] * topk_ids.shape[-1]
-        or w13_scale.dim() != 3
-        or w2_scale.dim() != 3
-        or w13_scale.dtype != torch.float32
-        or w2_scale.dtype != torch.float32
         or (expert_map is not None and expert_map.dtype not in (torch.int32, torch.int64))
-        or not all(t is None or t.is_contiguous() for t in tensors)
+        or not all(t is None or t.is_contiguous() for t in (b13, b2, expert_map))
     ):
         return None
     hidden, topk_weights = hidden.contiguous(), topk_weights.contiguous()
     topk_ids = topk_ids.to(torch.int64).contiguous()
     out = torch.empty_like(hidden)
-    experts, kp13, kp2 = (w13_data.shape[0], *(w.shape[2] * (2 if bits == 4 else 1) for w in (w13_data, w2_data)))
-    status = lib.qp_moe(
+    experts = w13_data.shape[0]
+    status = entry(
         hidden.data_ptr(), htype, hidden.shape[0], hidden.shape[1], topk_ids.data_ptr(), topk_ids.shape[-1],
         None if expert_map is None else expert_map.data_ptr(), 0 if expert_map is None else expert_map.element_size(),
         0 if expert_map is None else expert_map.numel(), topk_weights.data_ptr(), rtype, bool(on_input), experts,
-        w13_data.data_ptr(), w13_scale.data_ptr(), kp13, w2_data.data_ptr(), w2_scale.data_ptr(), kp2,
-        w13_data.shape[1] // 2, None if b13 is None else b13.data_ptr(),
-        None if b2 is None else b2.data_ptr(), btype, bits, mode, MOE_ACTIVATIONS.index(activation),
-        GATE_UP_LAYOUTS.index(gate_up_layout), alpha, limit, out.data_ptr(), torch.get_num_threads(), most,
+        w13_data.shape[1] // 2, None if b13 is None else b13.data_ptr(), None if b2 is None else b2.data_ptr(), btype,
+        MOE_ACTIVATIONS.index(activation), GATE_UP_LAYOUTS.index(gate_up_layout), alpha, limit, out.data_ptr(),
+        torch.get_num_threads(), most, *weights,
     )  # fmt: skip
     if status == -3:
         raise IndexError(f"an expert id outside the expert map or [0, {experts}) in {topk_ids.tolist()}")
     if status:
         raise cpu_avx2.scratch_error(status)
     return out
+
+
+def _moe_experts(weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2):
+    """(the MoE entry for this format, its arguments after the layer's, the most rows per GEMM, tensors
+    the arguments point into) where our kernels read these stacked experts as they are, else None."""
+    family = _FORMAT_KERNELS_BY_NAME.get(weight_key)
+    if family is not None:
+        key, module = family
+        found = module.moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
+        return None if found is None else (found[0], found[1], module.MAX_M, found[2])
+    fast, lib = _FAST.get(weight_key), cpu_avx2.library()
+    tensors = (w13_data, w13_scale, w2_data, w2_scale)
+    if fast is None or lib is None or not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
+        return None
+    if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
+        return None
+    bits, mode, most = fast
+    kp13, kp2 = (w.shape[2] * (2 if bits == 4 else 1) for w in (w13_data, w2_data))
+    weights = (
+        w13_data.data_ptr(),
+        w13_scale.data_ptr(),
+        kp13,
+        w2_data.data_ptr(),
+        w2_scale.data_ptr(),
+        kp2,
+        bits,
+        mode,
+    )
+    return lib.qp_moe, weights, most, ()
 
 
 def _expert_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -461,7 +488,7 @@ def _graph_fused_moe(
         rows = hidden.reshape(-1, hidden.shape[-1])
         out = _moe_on_our_kernels(
             rows, topk_weights.reshape(rows.shape[0], -1), topk_ids.reshape(rows.shape[0], -1), w13_data, w13_scale,
-            w2_data, w2_scale, b13, b2, expert_map, weight_key, activation, gate_up_layout,
+            w13_scale2, w2_data, w2_scale, w2_scale2, b13, b2, expert_map, weight_key, activation, gate_up_layout,
             apply_router_weight_on_input, alpha, limit,
         )  # fmt: skip
         if out is not None:

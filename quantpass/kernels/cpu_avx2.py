@@ -51,9 +51,10 @@ INT4_TILES = ("avx2", "avx512-vnni")
 CAPABILITIES = ("AVX2", "AVX512")  # torch's names for x86-64 CPUs with AVX2 + FMA
 P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = (P, I64, I32, I64, I64, P, P, I64, I64, I32, P, I32, P, I64, I32, I32, I32)  # qp_linear's C signature
-# qp_moe's C signature
-_MOE_ARGS = (P, I32, I64, I64, P, I64, P, I32, I64, P, I32, I32, I64, P, P, I64, P, P, I64, I64, P, P, I32, I32, I32,
-             I32, I32, ctypes.c_float, ctypes.c_float, P, I32, I64)  # fmt: skip
+F32 = ctypes.c_float
+# csrc/moe_layer.h's MOE_PARAMS: what every MoE entry (qp_moe, qp_moe_fp8, qp_moe_fp4) takes first
+MOE_LAYER_ARGS = (P, I32, I64, I64, P, I64, P, I32, I64, P, I32, I32, I64, I64, P, P, I32, I32, I32, F32, F32, P, I32, I64)  # fmt: skip
+_MOE_ARGS = (*MOE_LAYER_ARGS, P, P, I64, P, P, I64, I32, I32)  # qp_moe's C signature
 
 
 def available() -> tuple[bool, str]:
@@ -185,10 +186,11 @@ def with_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def format_kernel(source: Path, function: str, argtypes: tuple, name: str):
+def format_kernel(source: Path, signatures: dict[str, tuple], name: str):
     """The loader of one format family's kernel library (cpu_fp4.py, cpu_fp8.py): a cached function
-    returning (library, ok, reason), the library built on its first call with `function`'s C
-    signature set; `name` ("FP8") for messages. It runs where this module's kernels run."""
+    returning (library, ok, reason), the library built on its first call with its functions' C
+    signatures set (`signatures`: name -> argument types); `name` ("FP8") for messages. It runs where
+    this module's kernels run."""
 
     @functools.cache
     def library() -> tuple[ctypes.CDLL | None, bool, str]:
@@ -198,8 +200,9 @@ def format_kernel(source: Path, function: str, argtypes: tuple, name: str):
         lib, reason = load(source, f"{name} runs on the reference")
         if lib is None:
             return None, False, reason
-        entry = getattr(lib, function)
-        entry.argtypes, entry.restype = argtypes, ctypes.c_int
+        for function, argtypes in signatures.items():
+            entry = getattr(lib, function)
+            entry.argtypes, entry.restype = argtypes, ctypes.c_int
         return lib, True, f"quantpass's AVX2 {name} kernel ({reason})"
 
     return library

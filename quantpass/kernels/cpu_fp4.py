@@ -41,7 +41,8 @@ EXACT = False  # weight-only activations are quantized to int8 per block
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ACTS = {None: 0, kNvfp4Dynamic: 1}  # csrc's INT8_BLOCKS, NVFP4
 _ARGS = (P, I64, I32, I64, I64, I32, P, F32, P, P, P, I32, I64, I64, F32, P, I32, P, I64, I32, I32)  # qp_linear_fp4
-_library = cpu_avx2.format_kernel(SOURCE, "qp_linear_fp4", _ARGS, "FP4")
+_MOE_ARGS = (*cpu_avx2.MOE_LAYER_ARGS, P, P, I64, P, P, P, I64, P, I32, P)  # qp_moe_fp4's
+_library = cpu_avx2.format_kernel(SOURCE, {"qp_linear_fp4": _ARGS, "qp_moe_fp4": _MOE_ARGS}, "FP4")
 
 
 def supports(weight, activation) -> tuple[bool, str]:
@@ -96,6 +97,29 @@ def linear(
     if status:
         raise cpu_avx2.scratch_error(status)
     return out
+
+
+def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2):
+    """(qp_moe_fp4, its arguments after the layer's, tensors they point into) for the stacked MXFP4 /
+    NVFP4 experts of a MoE layer, weight-only ([E, N, kp / 2] codes, [E, N, kp / block] scale bytes,
+    NVFP4's per-tensor scale per expert, as `formats.quantize` makes them, contiguous); None where the
+    kernel can't read them as they are (the per-expert loop runs them)."""
+    lib, ok, _ = _library()
+    if not ok or key not in MODES or not all(t.dim() == 3 and t.is_contiguous() for t in (w13_data, w2_data)):
+        return None
+    block, experts, args, keep = key.group_shape.col, w13_data.shape[0], [], []
+    for data, scale, scale2 in ((w13_data, w13_scale, w13_scale2), (w2_data, w2_scale, w2_scale2)):
+        kp = data.shape[2] * 2
+        if tuple(scale.shape) != (*data.shape[:2], kp // block) or kp % block or not scale.is_contiguous():
+            return None
+        g = None
+        if scale2 is not None:  # codes are e2m1 values x 2, as in `linear`
+            if scale2.numel() != experts:
+                return None
+            g = (scale2.float().reshape(-1) / 2).contiguous()
+            keep.append(g)
+        args += [data.data_ptr(), scale.view(torch.uint8).data_ptr(), kp, None if g is None else g.data_ptr()]
+    return lib.qp_moe_fp4, (*args, block, scale_table(key.scale.dtype).data_ptr()), keep
 
 
 @functools.cache

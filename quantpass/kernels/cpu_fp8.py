@@ -49,7 +49,8 @@ ACTS = {
     k.kFp8StaticTensorSym: (3, 0),
 }
 _ARGS = (P, I64, I32, I64, I64, P, I64, I64, P, P, I64, I64, I64, I32, I64, F32, F32, P, I32, P, I64, I32, I32)  # fmt: skip
-_library = cpu_avx2.format_kernel(SOURCE, "qp_linear_fp8", _ARGS, "FP8")
+_MOE_ARGS = (*cpu_avx2.MOE_LAYER_ARGS, P, P, I64, I64, I64, P, P, I64, I64, I64, I64, P)  # qp_moe_fp8's
+_library = cpu_avx2.format_kernel(SOURCE, {"qp_linear_fp8": _ARGS, "qp_moe_fp8": _MOE_ARGS}, "FP8")
 
 
 def supports(weight, activation) -> tuple[bool, str]:
@@ -94,11 +95,7 @@ def linear(
         bias = bias.float()
     if x.stride(-1) != 1:
         x = x.contiguous()
-    data, scale = weight.data.contiguous(), weight.scale.contiguous()
-    if weight.key.scale.dtype == E8M0:  # MXFP8: scale bytes through their table of values
-        scale, lut = scale.view(torch.uint8), scale_table(E8M0).data_ptr()
-    else:
-        scale, lut = scale.float(), None
+    data, (scale, lut) = weight.data.contiguous(), _scales(weight.key, weight.scale.contiguous())
     bias = None if bias is None else bias.contiguous()
     status = lib.qp_linear_fp8(
         x.data_ptr(), x.stride(0), cpu_avx2.DTYPES[x.dtype], x.shape[0], x.shape[1],
@@ -111,6 +108,30 @@ def linear(
     if status:
         raise cpu_avx2.scratch_error(status)
     return out
+
+
+def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2):
+    """(qp_moe_fp8, its arguments after the layer's, tensors they point into) for the stacked FP8 experts
+    of a MoE layer, weight-only ([E, N, kp] e4m3, scales as `formats.quantize` makes them, contiguous);
+    None where the kernel can't read them as they are (the per-expert loop runs them)."""
+    lib, ok, _ = _library()
+    tensors = (w13_data, w13_scale, w2_data, w2_scale)
+    if not ok or key not in MODES or not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
+        return None
+    args, keep = [], []
+    for data, scale in ((w13_data, w13_scale), (w2_data, w2_scale)):
+        srows, group, sld = _grid(key, data.shape[1:], scale.shape[1:], f"{key} experts {tuple(data.shape)}")
+        scale, lut = _scales(key, scale)
+        args += [data.data_ptr(), scale.data_ptr(), data.shape[2], srows, sld]
+        keep.append(scale)
+    return lib.qp_moe_fp8, (*args, group, lut), keep
+
+
+def _scales(key, scale: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+    """The scales as the kernel reads them: MXFP8's bytes with their table of values, else fp32."""
+    if key.scale.dtype == E8M0:
+        return scale.view(torch.uint8), scale_table(E8M0).data_ptr()
+    return scale.float(), None
 
 
 def _static_scale(weight: QTensor, activation) -> float:
@@ -127,11 +148,16 @@ def _static_scale(weight: QTensor, activation) -> float:
 def _scale_grid(weight: QTensor) -> tuple[int, int, int]:
     """(weight rows per scale row, columns per scale (0: the whole row), scales per scale row) from the
     key's group shape and the scale tensor, checked against the data."""
-    rows, kp = weight.data.shape
-    shape = weight.key.group_shape
+    return _grid(weight.key, weight.data.shape, weight.scale.shape, weight)
+
+
+def _grid(key, data_shape, scale_shape, what) -> tuple[int, int, int]:
+    """`_scale_grid` of data [rows, kp] and its scales; `what` names them in the error."""
+    rows, kp = data_shape
+    shape = key.group_shape
     srows = rows if shape.row == -1 else shape.row  # -1: the whole dimension
     group = 0 if shape.col == -1 else shape.col
     want = (-(-rows // srows), 1 if group == 0 else -(-kp // group))
-    if tuple(weight.scale.shape) != want or (group and (group % 16 or kp % group)):
-        raise ValueError(f"FP8 kernel scales: want {want} for {weight}, got {tuple(weight.scale.shape)}")
+    if tuple(scale_shape) != want or (group and (group % 16 or kp % group)):
+        raise ValueError(f"FP8 kernel scales: want {want} for {what}, got {tuple(scale_shape)}")
     return max(srows, 1), group, want[1]

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "cpu_common.h"
+#include "moe_layer.h"
 
 #define CHUNK 32                         /* weight bytes (64 codes) per step */
 
@@ -227,4 +228,30 @@ int qp_linear_fp4(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, i
   parallel_rows(rows, &p, N, kp, threads);
   if (fresh) free(buf);
   return 0;
+}
+
+/* ---- a MoE layer (moe_layer.h) on this kernel, weight-only ---- */
+
+typedef struct { /* E experts' weights [E, N, kp / 2] and block scales [E, N, kp / block], as qp_linear_fp4 reads each */
+  const uint8_t *w, *ws;
+  const float *lut, *g; /* g: each expert's `g` (NULL: 0.5 for all) */
+  int64_t kp;
+  int block;
+} fp4_experts;
+
+static int fp4_expert(const void *weights, int64_t e, const float *x, int64_t m, int64_t K, float *out, int64_t N,
+                      int threads) {
+  const fp4_experts *q = weights;
+  return qp_linear_fp4(x, K, F32, m, K, INT8_BLOCKS, NULL, 0.0f, q->w + e * N * (q->kp / 2),
+                       q->ws + e * N * (q->kp / q->block), q->lut, q->block, N, q->kp, q->g ? q->g[e] : 0.5f, NULL, 0,
+                       out, N, F32, threads);
+}
+
+/* moe_layer on MXFP4 / NVFP4 experts: w13 [E, 2I, kp13 / 2] and w2 [E, H, kp2 / 2] codes, ws13 and ws2 their
+ * scale bytes (blocks of `block`, decoded through `lut`), g13 and g2 each expert's `g` as qp_linear_fp4
+ * takes it (NVFP4's per-tensor scale / 2) or NULL (0.5), contiguous; int8 activations per block. */
+int qp_moe_fp4(MOE_PARAMS, const uint8_t *w13, const uint8_t *ws13, int64_t kp13, const float *g13,
+               const uint8_t *w2, const uint8_t *ws2, int64_t kp2, const float *g2, int block, const float *lut) {
+  const fp4_experts a = {w13, ws13, lut, g13, kp13, block}, b = {w2, ws2, lut, g2, kp2, block};
+  return moe_layer(MOE_ARGS, fp4_expert, &a, &b);
 }

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "cpu_common.h"
+#include "moe_layer.h"
 
 #define STEP 16   /* weight bytes decoded at a time */
 enum { AS_GIVEN = 0, PER_TOKEN = 1, PER_TENSOR = 2, STATIC = 3 }; /* `act` (PER_TOKEN: per `act_group` columns) */
@@ -189,4 +190,29 @@ int qp_linear_fp8(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, c
   parallel_rows(rows, &p, N, kp, threads);
   if (fresh) free(buf);
   return 0;
+}
+
+/* ---- a MoE layer (moe_layer.h) on this kernel, weight-only ---- */
+
+typedef struct { /* E experts' weights [E, N, kp] e4m3 and their scales, as qp_linear_fp8 reads each */
+  const uint8_t *w, *ws;
+  const float *lut;
+  int64_t kp, srows, sld, group;
+} fp8_experts;
+
+static int fp8_expert(const void *weights, int64_t e, const float *x, int64_t m, int64_t K, float *out, int64_t N,
+                      int threads) {
+  const fp8_experts *q = weights;
+  const int64_t scale_bytes = (N + q->srows - 1) / q->srows * q->sld * (q->lut ? 1 : 4);
+  return qp_linear_fp8(x, K, F32, m, K, q->w + e * N * q->kp, N, q->kp, q->ws + e * scale_bytes, q->lut, q->srows,
+                       q->sld, q->group, AS_GIVEN, 0, 0.0f, 0.0f, NULL, 0, out, N, F32, threads);
+}
+
+/* moe_layer on FP8 experts: w13 [E, 2I, kp13] and w2 [E, H, kp2] e4m3, each expert's scales as
+ * qp_linear_fp8 takes them (srows, sld; `group` and `lut` for both), contiguous; activations as given. */
+int qp_moe_fp8(MOE_PARAMS, const uint8_t *w13, const void *s13, int64_t kp13, int64_t srows13, int64_t sld13,
+               const uint8_t *w2, const void *s2, int64_t kp2, int64_t srows2, int64_t sld2, int64_t group,
+               const float *lut) {
+  const fp8_experts a = {w13, s13, lut, kp13, srows13, sld13, group}, b = {w2, s2, lut, kp2, srows2, sld2, group};
+  return moe_layer(MOE_ARGS, fp8_expert, &a, &b);
 }

@@ -30,13 +30,13 @@ using Entry = int (*)(const void *x, int64_t ldx, int xtype, int64_t M, int64_t 
                       const float *s, int64_t N, int64_t kp, int bits, const void *bias, int btype, void *out,
                       int64_t ldo, int otype, int mode, int threads);
 
-// csrc/linear_avx2.c's qp_moe: a MoE layer in one call
+// csrc/linear_avx2.c's qp_moe: a MoE layer in one call (csrc/moe_layer.h's MOE_PARAMS, then the INT experts)
 using MoeEntry = int (*)(const void *hidden, int htype, int64_t T, int64_t H, const int64_t *ids, int64_t k,
                          const void *map, int map_bytes, int64_t map_len, const void *router, int rtype, int on_input,
-                         int64_t E, const uint8_t *w13, const float *s13, int64_t kp13, const uint8_t *w2,
-                         const float *s2, int64_t kp2, int64_t I, const void *b13, const void *b2, int btype, int bits,
-                         int mode, int act, int layout, float alpha, float limit, void *out, int threads,
-                         int64_t most);
+                         int64_t E, int64_t I, const void *b13, const void *b2, int btype, int act, int layout,
+                         float alpha, float limit, void *out, int threads, int64_t most, const uint8_t *w13,
+                         const float *s13, int64_t kp13, const uint8_t *w2, const float *s2, int64_t kp2, int bits,
+                         int mode);
 
 struct Fast {
   int bits, mode;
@@ -174,10 +174,11 @@ at::Tensor fused_moe(const at::Tensor &hidden, const at::Tensor &topk_weights, c
           rows.data_ptr(), htype, T, H, ids.data_ptr<int64_t>(), ids.size(1),
           expert_map ? expert_map->data_ptr() : nullptr, expert_map ? (int)expert_map->element_size() : 0,
           expert_map ? expert_map->numel() : 0, router.data_ptr(), rtype, on_input, w13_data.size(0),
+          w13_data.size(1) / 2, b13 ? b13->data_ptr() : nullptr, b2 ? b2->data_ptr() : nullptr, btype, (int)act,
+          (int)layout, (float)alpha, (float)limit, out.data_ptr(), at::get_num_threads(), f.most,
           static_cast<const uint8_t *>(w13_data.data_ptr()), static_cast<const float *>(w13_scale.data_ptr()), kp13,
           static_cast<const uint8_t *>(w2_data.data_ptr()), static_cast<const float *>(w2_scale.data_ptr()), kp2,
-          w13_data.size(1) / 2, b13 ? b13->data_ptr() : nullptr, b2 ? b2->data_ptr() : nullptr, btype, f.bits,
-          f.mode, (int)act, (int)layout, (float)alpha, (float)limit, out.data_ptr(), at::get_num_threads(), f.most);
+          f.bits, f.mode);
       TORCH_CHECK_INDEX(status != -3, "an expert id outside the expert map or [0, ", w13_data.size(0), ") in ",
                         topk_ids);
       TORCH_CHECK(status == 0, "quantpass's CPU kernel could not allocate its scratch (status ", status, ")");
