@@ -291,3 +291,29 @@ def test_compiled_moe_calls_the_graph_op_positionally():
     assert len(calls) == model.config.num_hidden_layers, calls
     op = str(cpu.graph_moe_op("cpu")).removeprefix("quantpass.")  # the C++ op where it builds
     assert all(f".{op}(" in line and "=None" not in line and "input_scale" not in line for line in calls), calls
+
+
+@needs_ours
+def test_a_compiled_gpt_oss_runs_its_mxfp4_experts_in_one_call(monkeypatch):
+    """gpt-oss's own shape for MXFP4 experts (biases, SwiGLU-OAI, interleaved gate/up) compiled under
+    Inductor: each MoE layer of a decode step is one qp_moe_fp4 call, and the logits match the same
+    model on the reference backend."""
+    from tiny_models import token_ids
+    from tiny_moe_models import eager_and_compiled_logits, tiny_moe
+
+    import quantpass as qp
+
+    found = []
+    moe_experts = cpu.cpu_fp4.moe_experts
+    monkeypatch.setattr(cpu.cpu_fp4, "moe_experts", lambda *a: found.append(moe_experts(*a)) or found[-1])
+    model, ids = tiny_moe("gpt_oss", "grouped_mm"), token_ids(batch=1, length=1)
+    _, want = eager_and_compiled_logits(model, ids, qp.backend(linear=None, moe="mxfp4", backend="reference"))
+    assert not found  # the reference backend never asks
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=qp.backend(linear=None, moe="mxfp4", lowering="inductor"))
+    with torch.no_grad():
+        compiled(ids)  # the compile
+        found.clear()
+        got = compiled(ids).logits
+    assert len(found) == model.config.num_hidden_layers and all(f is not None for f in found), found
+    assert torch.nn.functional.cosine_similarity(want.float().flatten(), got.float().flatten(), dim=0) > 0.999
