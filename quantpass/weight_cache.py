@@ -30,7 +30,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch._dynamo.comptime import comptime
 from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
+from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch.compiler import is_compiling
 
 from .distributed import is_dtensor, like_param, local_tensor
@@ -292,7 +294,8 @@ def install_eager_guard() -> None:
     """A module that runs eagerly (outside a compiled graph: the user's own `model(x)` to compare, a
     fallback after a graph break) gets its released weights back before its forward reads them,
     with a warning; a global forward pre-hook, which compiled code never runs (Dynamo folds
-    `is_compiling()`), costing ~1 us per eager module call. Installed when quantpass's backend is
+    `is_compiling()`; while it traces, the hook only checks the graph's backend at trace time:
+    `_restore_before_another_backend`), costing ~1 us per eager module call. Installed when quantpass's backend is
     imported, before any trace: Dynamo traces module calls differently with a global hook, and a
     frame whose analysis it restarts after the backend ran (dynamic shapes) must see the same."""
     if not _EAGER_GUARD:
@@ -311,6 +314,7 @@ def _restore_before_eager_use(module, args):
     # `torch.compiler.is_compiling`, every compiled module also got a guard that this module's `torch`
     # is torch.nn's, evaluated in Python on each call (its only Python guard)
     if is_compiling():
+        comptime(_restore_before_another_backend)  # at trace time only: nothing in the graph
         return
     if _CHECKED.get(module) == WEIGHTS.release_epoch:  # nothing released since its last eager call
         return
@@ -320,12 +324,35 @@ def _restore_before_eager_use(module, args):
         if backend is None or _is_quantpass(backend):
             return
         # Another backend (plain `torch.compile(model)` to compare) would read the freed storages.
-        where, params = f"compiled with backend {_backend_name(backend)}", module._orig_mod.parameters()
+        _restore_released(module._orig_mod.parameters(), module, f"compiled with backend {_backend_name(backend)}")
     else:
-        # A few torch modules read their children's weights without calling them (MultiheadAttention's
-        # out_proj, the encoder layer's fast path); any other module's children get their own call.
-        where = "runs outside the compiled model"
-        params = module.parameters() if isinstance(module, _READS_CHILD_WEIGHTS) else module._parameters.values()
+        _restore_released(_own_weights(module), module, "runs outside the compiled model")
+
+
+def _restore_before_another_backend(ctx) -> None:
+    """Dynamo runs this while it traces a module call (`comptime`): where the graph goes to a backend
+    other than quantpass (`torch.compile(fn)` over a model whose weights quantpass released, Inductor
+    or any other), the module gets its released weights back before Dynamo reads them (Inductor
+    refused the freed storages: "data is not allocated yet"). Read through Dynamo's private tracing
+    state, as torch 2.13 keeps it; where that is not there, nothing happens (`tests/test_weights.py`
+    checks that it is)."""
+    try:
+        backend = innermost_backend(InstructionTranslator.current_tx().output.compiler_fn)
+        module = ctx.get_local("module")._i_will_not_complain_if_bc_breaks_VariableTracker().value
+    except (AttributeError, KeyError):
+        return
+    backend = getattr(backend, "compiler_fn", backend)
+    if isinstance(module, torch.nn.Module) and not _is_quantpass(backend):
+        _restore_released(_own_weights(module), module, f"traced for backend {_backend_name(backend)}")
+
+
+def _own_weights(module: torch.nn.Module):
+    # A few torch modules read their children's weights without calling them (MultiheadAttention's
+    # out_proj, the encoder layer's fast path); any other module's children get their own call.
+    return module.parameters() if isinstance(module, _READS_CHILD_WEIGHTS) else module._parameters.values()
+
+
+def _restore_released(params, module: torch.nn.Module, where: str) -> None:
     for param in params:
         if param is not None and WEIGHTS.is_released(param):
             log = logger.debug if _EAGER_GUARD[1:] else logger.warning  # one warning per process

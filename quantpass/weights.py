@@ -12,7 +12,8 @@ model, and how:
 - `qp.state_dict(model)` and `model.state_dict()`: released weights as their dequantized values;
   `qp.state_dict(model, quantized=True)`: quantized weights as `QTensor`s (formats.py's layout).
 - Running a module eagerly after release restores its weights (weight_cache.py, with a warning), as
-  does calling `torch.compile(model)` compiled with another backend.
+  do `torch.compile(model)` with another backend (on its call) and `torch.compile(fn)` with another
+  backend (each module Dynamo traces for it).
 
 Anything else that reads a released weight directly (`p.sum()`, `model.half()`) reads freed memory
 and can crash the process (its storage has no bytes): keep the originals for such code, or read

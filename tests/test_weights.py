@@ -170,6 +170,35 @@ def test_plain_torch_compile_after_release_restores_with_a_warning(other, caplog
     assert any(f"Block compiled with backend {other}, but quantpass released" in r.message for r in caplog.records)
 
 
+@pytest.mark.parametrize("other", ["inductor", "aot_eager"])
+def test_a_function_compiled_with_another_backend_restores_what_it_traces(other, caplog):
+    """`torch.compile(fn)` over a model whose weights quantpass released: Dynamo traces the model's
+    modules for that backend, which would read the freed storages (Inductor raised "data is not
+    allocated yet"); each traced module gets its weights back at trace time, with the warning. A
+    function compiled with quantpass keeps them released (the same trace-time check)."""
+    model, x = Block(), torch.randn(4, 64)
+    with torch.no_grad():
+        expected = model(x)
+    _compiled, _, out = compile_once(model, x, linear="int8_weight_only")
+    assert released(model)["up.weight"]
+
+    def quantpass_fn(inputs):
+        return model(inputs) * 2
+
+    with torch.no_grad():
+        twice = torch.compile(quantpass_fn, backend=qp.backend(linear="int8_weight_only", lowering="aot_eager"))(x)
+    assert released(model)["up.weight"] and cosine(2 * out, twice) > 0.9999
+
+    def fn(inputs):
+        return model(inputs) * 2
+
+    caplog.set_level("DEBUG", logger="quantpass")
+    with torch.no_grad():
+        plain = torch.compile(fn, backend=other)(x)
+    assert cosine(2 * expected, plain) > 0.999 and not any(released(model).values())
+    assert any(f"traced for backend {other}, but quantpass released" in r.message for r in caplog.records)
+
+
 @pytest.mark.parametrize("how", ["name", "name and options", "backend object"])
 def test_quantpass_compiled_wrappers_keep_weights_released(how):
     """The wrapper check must recognise every way of compiling with quantpass, or every quantpass
