@@ -3,7 +3,7 @@ layer at T=1 against its experts' kernels alone, and a MoE model's 1-token forwa
 
     python bench/cpu_moe_decode.py                      # both parts, INT4 and INT8, 1 and 2 threads
     python bench/cpu_moe_decode.py --parts layer --threads 1 --rounds 21
-    python bench/cpu_moe_decode.py --parts layer --formats fp8 mxfp4 nvfp4   # the FP kernels' one call
+    python bench/cpu_moe_decode.py --parts layer --formats fp8 fp8_per_block mxfp4 nvfp4   # the FP kernels' one call
 
 Method. Layer: Qwen3-30B-A3B's expert shapes (hidden 2048, expert intermediate 768, top 8) with 64
 experts (the model has 128; 64 keep quantizing quick and are 151 MiB as INT4, 302 MiB as INT8, over
@@ -14,7 +14,8 @@ spread (min-max) over rounds, wall time: the routed experts' 16 GEMMs as two C c
 op a compiled graph calls, eager (`cpu.graph_moe_op`: the C++ op where it builds); the Python graph op
 (`quantpass::fused_moe_cpu`); the per-expert loop with the same kernels (`reference.fused_moe` with
 the cpu backend's matmul: what the backend ran before 2026-12-02 for INT8/INT4, and before 2026-12-02
-09:00 UTC for the FP formats). FP8 (per channel), MXFP4 and NVFP4 (weight-only; layer part only):
+08:00 UTC for the FP formats). FP8 (per channel, weight-only; per 128x128 block with per-1x128 dynamic
+activations, `fp8_per_block`), MXFP4 and NVFP4 (weight-only), the layer part only:
 their kernels have no C entry taking several layers, so in place of "kernels alone" their 16 expert
 GEMMs are timed as a Python call each (`cpu_fp8.linear`, `cpu_fp4.linear`: the kernels plus ~20-40 us
 of Python and ctypes per call). GB/s counts the routed experts' quantized weights and scales once. Model: `Qwen3MoeForCausalLM` (hidden 2048, 32 experts of 768, top
@@ -43,7 +44,13 @@ import quantpass as qp
 from quantpass.kernels import cpu, cpu_avx2, reference
 from quantpass.moe_problem import GatedActivation, MoEProblem
 from quantpass.quant_registry import formats
-from quantpass.quant_registry.keys import kFp8StaticChannelSym, kMxfp4Static, kNvfp4Static
+from quantpass.quant_registry.keys import (
+    kFp8Dynamic128Sym,
+    kFp8Static128BlockSym,
+    kFp8StaticChannelSym,
+    kMxfp4Static,
+    kNvfp4Static,
+)
 
 HIDDEN, INTER, EXPERTS, TOP_K, ROUTINGS = 2048, 768, 64, 8, 8
 KERNELS_ALONE, GEMM_CALLS, GRAPH_OP, PYTHON_OP, LOOP = (
@@ -53,12 +60,14 @@ KERNELS_ALONE, GEMM_CALLS, GRAPH_OP, PYTHON_OP, LOOP = (
     "Python graph op (quantpass::fused_moe_cpu)",
     "per-expert loop (before 2026-12-02)",
 )
-# the layer part's formats: weight keys (INT8 and INT4 as cpu_decode.py names them, then the FP kernels')
+# the layer part's formats: (weight key, activation key) (INT8 and INT4 as cpu_decode.py names them, then
+# the FP kernels': FP8 per channel weight-only, FP8 per 128x128 block with per-1x128 activations)
 KEYS = {
-    **{name: key for name, (_, key) in cpu_decode.FORMATS.items()},
-    "fp8": kFp8StaticChannelSym,
-    "mxfp4": kMxfp4Static,
-    "nvfp4": kNvfp4Static,
+    **{name: (key, None) for name, (_, key) in cpu_decode.FORMATS.items()},
+    "fp8": (kFp8StaticChannelSym, None),
+    "fp8_per_block": (kFp8Static128BlockSym, kFp8Dynamic128Sym),
+    "mxfp4": (kMxfp4Static, None),
+    "nvfp4": (kNvfp4Static, None),
 }
 
 
@@ -74,7 +83,7 @@ def parse_args():
 
 def experts(name: str):
     """64 experts' w13 [E, 2I, H] and w2 [E, H, I], quantized and prepared for the cpu backend."""
-    key = KEYS[name]
+    key = KEYS[name][0]
     gen = torch.Generator().manual_seed(0)
     w13 = formats.quantize(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=gen) / HIDDEN**0.5, key)
     w2 = formats.quantize(torch.randn(EXPERTS, HIDDEN, INTER, generator=gen) / INTER**0.5, key)
@@ -83,14 +92,14 @@ def experts(name: str):
 
 def layer_cases(name: str, w13, w2, threads: int) -> tuple[dict, int]:
     """{case: one call per routing in turn}, and the bytes one call's routed experts hold."""
-    key = KEYS[name]
+    key, act = KEYS[name]
     gen = torch.Generator().manual_seed(1)
     problems = []
     for _ in range(ROUTINGS):
         ids = torch.randperm(EXPERTS, generator=gen)[:TOP_K][None]
         weights = torch.rand(1, TOP_K, generator=gen).softmax(-1).bfloat16()
         hidden = torch.randn(1, HIDDEN, generator=gen).bfloat16()
-        problems.append(MoEProblem(hidden, weights, ids, w13, w2, GatedActivation("silu", "concat"), None))
+        problems.append(MoEProblem(hidden, weights, ids, w13, w2, GatedActivation("silu", "concat"), act))
     x13, x2 = torch.randn(1, HIDDEN).bfloat16(), torch.randn(1, INTER).bfloat16()
     o13, o2 = torch.empty(1, 2 * INTER), torch.empty(1, HIDDEN)
     family, alone = cpu.FORMAT_KERNELS.get(key), []
@@ -99,7 +108,11 @@ def layer_cases(name: str, w13, w2, threads: int) -> tuple[dict, int]:
         if family is not None:  # a Python call per expert GEMM (no C entry takes several layers)
             experts13, experts2 = [w13[e] for e in routed], [w2[e] for e in routed]
             alone.append(
-                [lambda a=experts13, b=experts2: [family.linear(x, w) for x, ws in ((x13, a), (x2, b)) for w in ws]]
+                [
+                    lambda a=experts13, b=experts2: [
+                        family.linear(x, w, act) for x, ws in ((x13, a), (x2, b)) for w in ws
+                    ]
+                ]
             )
             continue
         bits, mode = cpu.BITS[key], cpu_avx2.MODES[cpu.ACTIVATION_MODES[key][0]]
@@ -108,7 +121,7 @@ def layer_cases(name: str, w13, w2, threads: int) -> tuple[dict, int]:
         alone.append((first, second))
     graph_op, python_op = cpu.graph_moe_op("cpu"), torch.ops.quantpass.fused_moe_cpu.default
     args = [(p.hidden, p.topk_weights, p.topk_ids, w13.data, w13.scale, w13.scale2, w2.data, w2.scale, w2.scale2, None, None,
-             None, str(key), "", "cpu", "silu", "concat", False, INTER, 0.0, 0.0) for p in problems]  # fmt: skip
+             None, str(key), "" if act is None else str(act), "cpu", "silu", "concat", False, INTER, 0.0, 0.0) for p in problems]  # fmt: skip
 
     def each(fn):
         return lambda: [fn(i) for i in range(ROUTINGS)]

@@ -104,8 +104,14 @@ def test_oracle_picks_cpu_moe_on_cpu_only():
         )
 
 
-# every weight-only MoE pair the oracle gives the cpu backend: one C call per layer (qp_moe, qp_moe_fp8, qp_moe_fp4)
-FAST_PAIRS = [pair for pair in PAIRS if pair[1] is None]
+def in_one_call(pair) -> bool:
+    family = cpu.FORMAT_KERNELS.get(pair[0])
+    return pair[1] in (family.MOE_ACTIVATIONS if family is not None else (None,))
+
+
+# the MoE pairs the oracle gives the cpu backend that run in one C call per layer (qp_moe, qp_moe_fp8,
+# qp_moe_fp4): weight-only, and FP8 with per-token, per-1x128 or static activation scales
+FAST_PAIRS = [pair for pair in PAIRS if in_one_call(pair)]
 FAST_CASES = [  # tokens, local experts, bias, activation, layout, router on input, hidden dtype, top k of 8, scale
     (1, None, False, "silu", "concat", False, torch.bfloat16, 6, 1),
     (1, [1, 3], True, "gelu_tanh", "interleaved", True, torch.float16, 2, 1),
@@ -130,12 +136,17 @@ def loop(problem):
     return reference.fused_moe(problem, expert_matmul=cpu._expert_matmul)
 
 
+def pair_id(pair) -> str:
+    return str(pair[0]) if pair[1] is None else f"{pair[0]}-{pair[1]}"
+
+
 @needs_ours
-@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: str(p[0]))
+@pytest.mark.parametrize("pair", FAST_PAIRS, ids=pair_id)
 @pytest.mark.parametrize("case", FAST_CASES, ids=lambda c: f"T{c[0]}-{c[3]}-{c[6]}-x{c[8]}")
 def test_one_call_gives_the_loops_result(pair, case, monkeypatch):
-    """Weight-only, every format: the whole layer in one C call (csrc/moe_layer.h), into an output
-    poisoned with NaN, against the per-expert loop on the same kernels: experts shared by several tokens (T >= 5), up
+    """Every pair in one call: the whole layer in one C call (csrc/moe_layer.h), into an output
+    poisoned with NaN, against the per-expert loop on the same kernels (FP8 W8A8: the loop quantizes
+    the activations in torch, the one call in the kernel): experts shared by several tokens (T >= 5), up
     to every expert per token, non-local experts, biases, each activation and layout, the router weight
     on the input, each activation dtype, and activations large enough (x 300) that exp saturates. The
     same but for the gated activation's exp/erf/tanh (moe_layer.h's, not torch's vectorized ones):
@@ -156,9 +167,10 @@ def test_one_call_gives_the_loops_result(pair, case, monkeypatch):
 
 @needs_ours
 def test_one_call_where_it_applies():
-    """The loop runs where an expert GEMM of it would not be our kernel's: an activation key (W8A8: the
-    one-call path is not asked), more tokens than the kernel's largest M (INT4's, FP8's), experts not
-    stored contiguously: the one-call path answers None for those."""
+    """The loop runs where an expert GEMM of it would not be our kernel's, or would quantize its
+    activations otherwise: INT8 W8A8 (the loop fake-quantizes them in torch), FP8 with a per-tensor
+    dynamic scale (one over all routed rows in the loop) or MXFP8's, more tokens than the kernel's
+    largest M (INT4's, FP8's), experts not stored contiguously: the one-call path answers None."""
     calls = []
     real = cpu._moe_on_our_kernels
 
@@ -174,18 +186,23 @@ def test_one_call_where_it_applies():
     int4 = fast_problem((keys.kInt4StaticGroup128Sym, None), *FAST_CASES[0][:-1])
     fp8 = fast_problem((keys.kFp8StaticChannelSym, None), *FAST_CASES[0][:-1])
     nvfp4 = fast_problem((keys.kNvfp4Static, None), *FAST_CASES[0][:-1])
-    w8a8 = moe_args((keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym), 1, None, False, "silu", "concat", False)
+    fp8_w8a8 = fast_problem((keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym), *FAST_CASES[0][:-1])
+    loops = [
+        moe_args((pair[0], pair[1]), 1, None, False, "silu", "concat", False)
+        for pair in [(keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym),
+                     (keys.kFp8StaticTensorSym, keys.kFp8DynamicTensorSym), (keys.kMxfp8Static, keys.kMxfp8Dynamic)]
+    ]  # fmt: skip
     strided = replace(nvfp4, w13=replace(nvfp4.w13, data=nvfp4.w13.data.transpose(1, 2).contiguous().transpose(1, 2)))
-    too_long = (long(int4, cpu.OURS_MAX_M[int4.w13.key] + 1), long(fp8, cpu.cpu_fp8.MAX_M + 1))
+    loops += [long(int4, cpu.OURS_MAX_M[int4.w13.key] + 1), long(fp8, cpu.cpu_fp8.MAX_M + 1), strided]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "_moe_on_our_kernels", spy)
-        for problem in (int4, fp8, nvfp4, w8a8, *too_long, strided):
+        for problem in (int4, fp8, nvfp4, fp8_w8a8, *loops):
             cpu.fused_moe(problem)
-    assert all(c is not None for c in calls[:3]) and calls[3:] == [None] * 3, calls  # W8A8 never asks
+    assert all(c is not None for c in calls[:4]) and calls[4:] == [None] * len(loops), calls
 
 
 @needs_ours
-@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: str(p[0]))
+@pytest.mark.parametrize("pair", FAST_PAIRS, ids=pair_id)
 def test_one_call_refuses_bad_expert_ids_and_skips_other_ranks(pair):
     """An expert id outside [0, E) or the expert map, or a map entry past the local experts, is refused
     before any weight is read; a token whose experts all live on other ranks (a negative local id, mapped
@@ -207,7 +224,7 @@ def test_one_call_refuses_bad_expert_ids_and_skips_other_ranks(pair):
 
 
 @needs_ours
-@pytest.mark.parametrize("pair", FAST_PAIRS, ids=lambda p: str(p[0]))
+@pytest.mark.parametrize("pair", FAST_PAIRS, ids=pair_id)
 def test_one_call_threads_give_the_same_output(pair, monkeypatch):
     """Enough rows that the one call splits its gather, activation and sums over threads (64 tokens: within
     every kernel's largest M): 1 and 2 threads give the same output bit for bit."""
@@ -225,13 +242,15 @@ def test_one_call_threads_give_the_same_output(pair, monkeypatch):
 
 
 def graph_args(problem, weights=None):
-    """`quantpass::fused_moe`'s arguments for `problem` (weights prepared for the cpu backend)."""
+    """`quantpass::fused_moe`'s arguments for `problem` (weights prepared for the cpu backend; a static
+    activation key's input scales last)."""
     w13, w2 = weights or cpu.prepare_moe_weights(problem.w13, problem.w2, problem.gated.gate_up_layout)
     gated, activation = problem.gated, "" if problem.activation_key is None else str(problem.activation_key)
+    scales = (problem.w13.input_scale, problem.w2.input_scale) if keys.needs_input_scale(problem.activation_key) else ()
     return (problem.hidden, problem.topk_weights, problem.topk_ids, w13.data, w13.scale, w13.scale2, w2.data,
             w2.scale, w2.scale2, problem.b13, problem.b2, problem.expert_map, str(w13.key), activation, "cpu",
             str(gated.activation), str(gated.gate_up_layout), problem.apply_router_weight_on_input,
-            problem.w2.shape[-1], gated.alpha, gated.limit)  # fmt: skip
+            problem.w2.shape[-1], gated.alpha, gated.limit, *scales)  # fmt: skip
 
 
 PYTHON_MOE = torch.ops.quantpass.fused_moe_cpu.default

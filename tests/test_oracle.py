@@ -72,7 +72,7 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, has_bias=True), "triton"),
         ("moe", "mxfp8", H200, MOE, "triton"),
         ("moe", "fp8_per_block", H200, MOE, "triton"),
-        ("moe", "fp8_per_block", CPU, MOE, FP8_ON_CPU),  # the loop quantizes activations, the kernel multiplies
+        ("moe", "fp8_per_block", CPU, MOE, FP8_ON_CPU),  # one C call: the kernel quantizes each GEMM's rows
         ("moe", "mxfp8", CPU, MOE, FP8_ON_CPU),
         ("moe", "nvfp4", H200, MOE, "reference"),
         ("linear", "fp8_per_channel", MI300, BIG, "reference"),  # HIP: only the reference until supported

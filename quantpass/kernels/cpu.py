@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from ..moe_problem import ACTIVATIONS as MOE_ACTIVATIONS
 from ..moe_problem import GATE_UP_LAYOUTS, GateUpLayout, MoEProblem
 from ..quant_registry.formats import dequantize, unpack_int4
-from ..quant_registry.keys import kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
+from ..quant_registry.keys import KEYS, kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
 from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import KINDS
@@ -55,8 +55,9 @@ BITS = {kInt8StaticChannelSym: 8, kInt4StaticGroup128Sym: 4}
 # weight key -> the module of quantpass's kernel for its format family, each with the same interface:
 # MODES (weight key -> activation keys), MAX_M (the reference above), EXACT (whether activations it is
 # given are multiplied as they are: then MoE experts may take the loop's fake-quantized ones),
-# supports(weight, activation), linear(x, weight, activation, bias). They read the quantized weight as
-# it is (contiguous): nothing to prepare.
+# MOE_ACTIVATIONS (the activation keys a MoE layer runs with in one call), supports(weight, activation),
+# linear(x, weight, activation, bias), moe_experts(...) (a MoE layer's entry and arguments). They read
+# the quantized weight as it is (contiguous): nothing to prepare.
 FORMAT_KERNELS = {key: module for module in (cpu_fp4, cpu_fp8) for key in module.MODES}
 _FORMAT_KERNELS_BY_NAME = {str(key): (key, module) for key, module in FORMAT_KERNELS.items()}
 # INT8 W8A8 runs the same kernels on per-token fake-quantized activations: identical math to an
@@ -101,9 +102,10 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
             return False, f"the per-expert loop runs {weight} weight-only; {activation} activations go to the reference"
         if kind != Kind.MOE:
             return family.supports(weight, activation)
-        ok, reason = family.supports(weight, None)  # the loop quantizes the activations, as the reference's
-        if activation is None:  # `_moe_on_our_kernels`, up to the kernel's largest M
+        if activation in family.MOE_ACTIVATIONS:  # `_moe_on_our_kernels`, up to the kernel's largest M
+            ok, reason = family.supports(weight, activation)
             return ok, f"one C call per layer for T <= {family.MAX_M} (per-expert loop above): {reason}"
+        ok, reason = family.supports(weight, None)  # the loop quantizes the activations, as the reference's
         return ok, f"per-expert loop: {activation} activations by the loop, {reason}"
     if activation not in ACTIVATIONS.get(weight, (None,)):
         return False, f"no CPU kernel for weight {weight} with activation {activation}"
@@ -186,16 +188,18 @@ def _prepare_experts(weight: QTensor) -> QTensor:
 
 
 def fused_moe(problem: MoEProblem) -> torch.Tensor:
-    """hidden [T, H] -> [T, H]: weight-only layers on our kernels in one C call (`_moe_on_our_kernels`);
-    anything else `reference.fused_moe`'s loop with `linear`'s kernels per expert (activation keys are
-    fake-quantized by the loop, as the reference does)."""
+    """hidden [T, H] -> [T, H]: on our kernels in one C call where `_moe_on_our_kernels` runs the layer
+    (weight-only; FP8 with row-wise or static activation scales); anything else `reference.fused_moe`'s
+    loop with `linear`'s kernels per expert (activation keys are fake-quantized by the loop, as the
+    reference does)."""
     w13, w2, hidden = problem.w13, problem.w2, problem.hidden
-    if problem.activation_key is None and w13.key == w2.key:
-        gated = problem.gated
+    if w13.key == w2.key:
+        gated, activation_key = problem.gated, problem.activation_key
         out = _moe_on_our_kernels(
             hidden, problem.topk_weights, problem.topk_ids, w13.data, w13.scale, w13.scale2, w2.data, w2.scale,
             w2.scale2, problem.b13, problem.b2, problem.expert_map, str(w13.key), gated.activation,
             gated.gate_up_layout, problem.apply_router_weight_on_input, gated.alpha, gated.limit,
+            "" if activation_key is None else str(activation_key), (w13.input_scale, w2.input_scale),
         )  # fmt: skip
         if out is not None:
             return out
@@ -208,16 +212,20 @@ def _per_expert_loop(problem: MoEProblem) -> torch.Tensor:
 
 def _moe_on_our_kernels(
     hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, b13, b2,
-    expert_map, weight_key, activation, gate_up_layout, on_input, alpha, limit,
+    expert_map, weight_key, activation, gate_up_layout, on_input, alpha, limit, activation_key="", input_scales=(),
 ) -> torch.Tensor | None:  # fmt: skip
-    """A weight-only MoE layer in one C call (hidden [T, H] -> [T, H]): csrc/moe_layer.h's steps of the
-    loop with each expert's rows through its weights once, on the kernel every expert GEMM of the loop
-    would run (INT8/INT4: qp_moe; FP8: qp_moe_fp8; MXFP4, NVFP4: qp_moe_fp4), where the kernel reads the
-    weights as they are, T <= its largest M and the dtypes are ones it reads; else None. At decode the
-    loop's Python and torch calls per expert cost as much as the kernels (bench/README.md, "MoE at
+    """A MoE layer in one C call (hidden [T, H] -> [T, H]): csrc/moe_layer.h's steps of the loop with
+    each expert's rows through its weights once, on the kernel every expert GEMM of the loop would run
+    (INT8/INT4 weight-only: qp_moe; FP8 weight-only or with the activation keys in
+    `cpu_fp8.MOE_ACTIVATIONS`: qp_moe_fp8; MXFP4, NVFP4 weight-only: qp_moe_fp4), where the kernel reads
+    the weights as they are, T <= its largest M and the dtypes are ones it reads; else None. At decode
+    the loop's Python and torch calls per expert cost as much as the kernels (bench/README.md, "MoE at
     decode"). The loop's result up to the gated activation's exp, erf or tanh, which may round
-    differently from torch's in the last bit."""
-    experts = _moe_experts(weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
+    differently from torch's in the last bit. `activation_key`: its string ("" for none); a static
+    one's scales in `input_scales` (w13's, w2's)."""
+    experts = _moe_experts(
+        weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation_key, input_scales
+    )
     if experts is None:
         return None
     entry, weights, most, _held = experts  # `weights` points into `_held`'s tensors: held through the call
@@ -257,17 +265,21 @@ def _moe_on_our_kernels(
     return out
 
 
-def _moe_experts(weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2):
+def _moe_experts(weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation_key, scales):
     """(the MoE entry for this format, its arguments after the layer's, the most rows per GEMM, tensors
-    the arguments point into) where our kernels read these stacked experts as they are, else None."""
+    the arguments point into) where our kernels run these stacked experts as they are, else None."""
     family = _FORMAT_KERNELS_BY_NAME.get(weight_key)
     if family is not None:
-        key, module = family
-        found = module.moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2)
+        (key, module), activation = family, KEYS.get(activation_key) if activation_key else None
+        if activation_key and activation is None:
+            return None
+        found = module.moe_experts(
+            key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation, scales
+        )
         return None if found is None else (found[0], found[1], module.MAX_M, found[2])
     fast, lib = _FAST.get(weight_key), cpu_avx2.library()
     tensors = (w13_data, w13_scale, w2_data, w2_scale)
-    if fast is None or lib is None or not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
+    if fast is None or lib is None or activation_key or not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
         return None
     if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
         return None
@@ -484,15 +496,14 @@ def _graph_fused_moe(
 ):  # fmt: skip
     """`_moe_on_our_kernels` straight from the graph's arguments where it applies, else the per-expert
     loop (what `fused_moe` would run after asking `_moe_on_our_kernels` the same question)."""
-    if not activation_key:
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        out = _moe_on_our_kernels(
-            rows, topk_weights.reshape(rows.shape[0], -1), topk_ids.reshape(rows.shape[0], -1), w13_data, w13_scale,
-            w13_scale2, w2_data, w2_scale, w2_scale2, b13, b2, expert_map, weight_key, activation, gate_up_layout,
-            apply_router_weight_on_input, alpha, limit,
-        )  # fmt: skip
-        if out is not None:
-            return out.reshape(hidden.shape)
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    out = _moe_on_our_kernels(
+        rows, topk_weights.reshape(rows.shape[0], -1), topk_ids.reshape(rows.shape[0], -1), w13_data, w13_scale,
+        w13_scale2, w2_data, w2_scale, w2_scale2, b13, b2, expert_map, weight_key, activation, gate_up_layout,
+        apply_router_weight_on_input, alpha, limit, activation_key, (w13_input_scale, w2_input_scale),
+    )  # fmt: skip
+    if out is not None:
+        return out.reshape(hidden.shape)
     return ops.run_fused_moe(
         _per_expert_loop, hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2,
         b13, b2, expert_map, weight_key, activation_key, backend, activation, gate_up_layout,

@@ -36,6 +36,7 @@ MODES = {
     kMxfp4Static: {None: "int8 activations per 32"},
     kNvfp4Static: {None: "int8 activations per 16", kNvfp4Dynamic: "NVFP4 activations, exact integer products"},
 }
+MOE_ACTIVATIONS = (None,)  # a MoE layer in one call (`moe_experts`): weight-only; W4A4 runs the per-expert loop
 MAX_M = 256  # the kernel 1.2-1.4x the reference at M=256 on a 4096x4096 weight, 2-2.6x at 128 (bench/README.md)
 EXACT = False  # weight-only activations are quantized to int8 per block
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
@@ -99,13 +100,15 @@ def linear(
     return out
 
 
-def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2):
+def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation=None, input_scales=()):
     """(qp_moe_fp4, its arguments after the layer's, tensors they point into) for the stacked MXFP4 /
     NVFP4 experts of a MoE layer, weight-only ([E, N, kp / 2] codes, [E, N, kp / block] scale bytes,
     NVFP4's per-tensor scale per expert, as `formats.quantize` makes them, contiguous); None where the
-    kernel can't read them as they are (the per-expert loop runs them)."""
+    kernel can't run them as they are (an activation key: the per-expert loop runs them)."""
     lib, ok, _ = _library()
-    if not ok or key not in MODES or not all(t.dim() == 3 and t.is_contiguous() for t in (w13_data, w2_data)):
+    if not ok or key not in MODES or activation is not None:
+        return None
+    if not all(t.dim() == 3 and t.is_contiguous() for t in (w13_data, w2_data)):
         return None
     block, experts, args, keep = key.group_shape.col, w13_data.shape[0], [], []
     for data, scale, scale2 in ((w13_data, w13_scale, w13_scale2), (w2_data, w2_scale, w2_scale2)):

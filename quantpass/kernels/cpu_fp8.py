@@ -42,14 +42,38 @@ P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 # the row). MXFP8's go through `fake_quantize` first (in torch: +1.1 ms per call at M=1 on a 4096x4096
 # weight from DRAM, measured 2026-12-01; its power-of-two scales come from torch.log2, which C would
 # not reproduce bit for bit).
+PER_TOKEN, PER_TENSOR, STATIC = 1, 2, 3
 ACTS = {
-    k.kFp8DynamicTokenSym: (1, 0),
-    k.kFp8Dynamic128Sym: (1, k.kFp8Dynamic128Sym.group_shape.col),
-    k.kFp8DynamicTensorSym: (2, 0),
-    k.kFp8StaticTensorSym: (3, 0),
+    k.kFp8DynamicTokenSym: (PER_TOKEN, 0),
+    k.kFp8Dynamic128Sym: (PER_TOKEN, k.kFp8Dynamic128Sym.group_shape.col),
+    k.kFp8DynamicTensorSym: (PER_TENSOR, 0),
+    k.kFp8StaticTensorSym: (STATIC, 0),
 }
+# the activation keys a MoE layer runs with in one call (`moe_experts`): quantized row by row, or with
+# each expert's static scale, the same whichever rows share an expert GEMM; per-tensor dynamic scales
+# (the reference takes one over all routed rows) and MXFP8's run the per-expert loop
+MOE_ACTIVATIONS = (None, *(a for a, (mode, _) in ACTS.items() if mode != PER_TENSOR))
 _ARGS = (P, I64, I32, I64, I64, P, I64, I64, P, P, I64, I64, I64, I32, I64, F32, F32, P, I32, P, I64, I32, I32)  # fmt: skip
-_MOE_ARGS = (*cpu_avx2.MOE_LAYER_ARGS, P, P, I64, I64, I64, P, P, I64, I64, I64, I64, P)  # qp_moe_fp8's
+_MOE_ARGS = (
+    *cpu_avx2.MOE_LAYER_ARGS,
+    P,
+    P,
+    I64,
+    I64,
+    I64,
+    P,
+    P,
+    I64,
+    I64,
+    I64,
+    I64,
+    P,
+    I32,
+    I64,
+    P,
+    P,
+    F32,
+)  # qp_moe_fp8's
 _library = cpu_avx2.format_kernel(SOURCE, {"qp_linear_fp8": _ARGS, "qp_moe_fp8": _MOE_ARGS}, "FP8")
 
 
@@ -110,21 +134,32 @@ def linear(
     return out
 
 
-def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2):
+def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation=None, input_scales=()):
     """(qp_moe_fp8, its arguments after the layer's, tensors they point into) for the stacked FP8 experts
-    of a MoE layer, weight-only ([E, N, kp] e4m3, scales as `formats.quantize` makes them, contiguous);
-    None where the kernel can't read them as they are (the per-expert loop runs them)."""
+    of a MoE layer ([E, N, kp] e4m3, scales as `formats.quantize` makes them, contiguous) with an
+    activation key in `MOE_ACTIVATIONS` (a static one: `input_scales`, w13's and w2's calibrated scales,
+    `[]` or `[E]`); None where the kernel can't run them as they are (the per-expert loop runs them)."""
     lib, ok, _ = _library()
     tensors = (w13_data, w13_scale, w2_data, w2_scale)
-    if not ok or key not in MODES or not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
+    if not ok or key not in MODES or activation not in MOE_ACTIVATIONS or activation not in MODES[key]:
         return None
-    args, keep = [], []
+    if not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
+        return None
+    xq, xq_group = ACTS.get(activation, (0, 0))
+    experts, args, keep = w13_data.shape[0], [], []
     for data, scale in ((w13_data, w13_scale), (w2_data, w2_scale)):
         srows, group, sld = _grid(key, data.shape[1:], scale.shape[1:], f"{key} experts {tuple(data.shape)}")
         scale, lut = _scales(key, scale)
         args += [data.data_ptr(), scale.data_ptr(), data.shape[2], srows, sld]
         keep.append(scale)
-    return lib.qp_moe_fp8, (*args, group, lut), keep
+    static = [None, None]
+    if xq == STATIC:  # each expert's scale, as the loop gives each expert GEMM its own
+        if len(input_scales) != 2 or any(s is None or s.numel() not in (1, experts) for s in input_scales):
+            return None
+        static = [s.float().reshape(-1).expand(experts).contiguous() for s in input_scales]
+        keep += static
+    pointers = [None if s is None else s.data_ptr() for s in static]
+    return lib.qp_moe_fp8, (*args, group, lut, xq, xq_group, *pointers, AMAX_EPS), keep
 
 
 def _scales(key, scale: torch.Tensor) -> tuple[torch.Tensor, int | None]:

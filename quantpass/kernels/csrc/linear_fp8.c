@@ -192,12 +192,16 @@ int qp_linear_fp8(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, c
   return 0;
 }
 
-/* ---- a MoE layer (moe_layer.h) on this kernel, weight-only ---- */
+/* ---- a MoE layer (moe_layer.h) on this kernel ---- */
 
 typedef struct { /* E experts' weights [E, N, kp] e4m3 and their scales, as qp_linear_fp8 reads each */
   const uint8_t *w, *ws;
   const float *lut;
   int64_t kp, srows, sld, group;
+  int xq;                   /* qp_linear_fp8's `act` for the expert's input rows */
+  int64_t xq_group;         /* its `act_group` */
+  const float *xq_scales;   /* STATIC: each expert's calibrated input scale */
+  float eps;
 } fp8_experts;
 
 static int fp8_expert(const void *weights, int64_t e, const float *x, int64_t m, int64_t K, float *out, int64_t N,
@@ -205,14 +209,20 @@ static int fp8_expert(const void *weights, int64_t e, const float *x, int64_t m,
   const fp8_experts *q = weights;
   const int64_t scale_bytes = (N + q->srows - 1) / q->srows * q->sld * (q->lut ? 1 : 4);
   return qp_linear_fp8(x, K, F32, m, K, q->w + e * N * q->kp, N, q->kp, q->ws + e * scale_bytes, q->lut, q->srows,
-                       q->sld, q->group, AS_GIVEN, 0, 0.0f, 0.0f, NULL, 0, out, N, F32, threads);
+                       q->sld, q->group, q->xq, q->xq_group, q->xq_scales ? q->xq_scales[e] : 0.0f, q->eps, NULL, 0,
+                       out, N, F32, threads);
 }
 
 /* moe_layer on FP8 experts: w13 [E, 2I, kp13] and w2 [E, H, kp2] e4m3, each expert's scales as
- * qp_linear_fp8 takes them (srows, sld; `group` and `lut` for both), contiguous; activations as given. */
+ * qp_linear_fp8 takes them (srows, sld; `group` and `lut` for both), contiguous. Each GEMM's input rows as
+ * given (xq AS_GIVEN) or through FP8 as qp_linear_fp8 quantizes them: per token or per `xq_group` columns
+ * (PER_TOKEN: row by row, so the same whichever rows share a GEMM), or STATIC with each expert's scale
+ * (xq13 for w13's GEMMs, xq2 for w2's, [E]); `eps` quantpass's AMAX_EPS. */
 int qp_moe_fp8(MOE_PARAMS, const uint8_t *w13, const void *s13, int64_t kp13, int64_t srows13, int64_t sld13,
                const uint8_t *w2, const void *s2, int64_t kp2, int64_t srows2, int64_t sld2, int64_t group,
-               const float *lut) {
-  const fp8_experts a = {w13, s13, lut, kp13, srows13, sld13, group}, b = {w2, s2, lut, kp2, srows2, sld2, group};
+               const float *lut, int xq, int64_t xq_group, const float *xq13, const float *xq2, float eps) {
+  if (xq == PER_TENSOR || (xq == STATIC && (xq13 == NULL || xq2 == NULL))) return -2; /* not per expert GEMM */
+  const fp8_experts a = {w13, s13, lut, kp13, srows13, sld13, group, xq, xq_group, xq13, eps};
+  const fp8_experts b = {w2, s2, lut, kp2, srows2, sld2, group, xq, xq_group, xq2, eps};
   return moe_layer(MOE_ARGS, fp8_expert, &a, &b);
 }
