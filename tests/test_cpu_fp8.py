@@ -62,6 +62,40 @@ def test_w8a8_matches_the_reference(pair, shape):
     assert sqnr(want, out) >= 110  # the same quantized activations: only the fp32 sums' order differs
 
 
+def identity_weight(weight_key, k: int) -> QTensor:
+    """e4m3 1.0 on the diagonal of [k, k] (padded as the key pads), every scale 1 (MXFP8's: byte 127), a
+    static input scale of 1: the kernel's output is its quantized activations."""
+    kp, groups = formats.padded_cols(weight_key, k), weight_key.group_shape
+    shape = (1 if groups.row == -1 else -(-k // groups.row), 1 if groups.col == -1 else kp // groups.col)
+    scale = torch.full(shape, 127, dtype=torch.uint8) if weight_key.scale.dtype == keys.E8M0 else torch.ones(shape)
+    weight = QTensor(torch.eye(k, kp).to(torch.float8_e4m3fn), scale, None, weight_key, (k, k), torch.float32)
+    weight.input_scale = torch.tensor(1.0)
+    return weight
+
+
+def test_mxfp8_block_scales_next_to_powers_of_two_are_torchs():
+    """MXFP8 activations, quantized in the kernel: blocks of 32 whose max / 448 lies on or a few ulps
+    above or below a power of two (where ceil(log2) depends on how log2 rounds: the kernel takes the
+    double log2 rounded to fp32, which equals torch's there), an all-zero block (exponent -127), a
+    subnormal one, one near fp32's largest, NaN and inf: bit for bit what the reference quantizes."""
+    gen, blocks = torch.Generator().manual_seed(4), []
+    for e in (-120, -30, -9, -1, 0, 1, 7, 30, 100):
+        for ulps in (-2, -1, 0, 1, 2, 3):
+            top = torch.tensor(2.0**e, dtype=torch.float32).view(torch.int32) + ulps
+            block = torch.rand(32, generator=gen) * 2.0**e * 448
+            block[ulps % 32] = top.view(torch.float32) * 448  # the block's max (rounded once in fp32)
+            blocks.append(block)
+    blocks += [torch.zeros(32), torch.full((32,), 1e-41), torch.full((32,), 3e38), torch.randn(32, generator=gen)]
+    x = torch.stack(blocks).reshape(-1, 2 * 32)  # 2 blocks per row
+    weight = identity_weight(keys.kMxfp8Static, x.shape[1])
+    want = reference.fake_quantize(x, keys.kMxfp8Dynamic, None)
+    assert torch.equal(cpu_fp8.linear(x, weight, keys.kMxfp8Dynamic, out=poisoned(*x.shape)), want)
+    x[1, 40], x[3, 5] = float("nan"), float("inf")  # that row NaN (the identity's zeros times it), as the reference
+    got, want = cpu_fp8.linear(x, weight, keys.kMxfp8Dynamic), reference.linear(x, weight, keys.kMxfp8Dynamic, None)
+    assert got[1].isnan().all() and torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
 @pytest.mark.parametrize("activation", list(cpu_fp8.ACTS), ids=str)
 def test_activations_quantized_in_the_kernel_are_the_references_bit_for_bit(activation):
     """Each activation the kernel quantized shows up alone against an identity weight (e4m3 1.0, scales
@@ -79,11 +113,7 @@ def test_activations_quantized_in_the_kernel_are_the_references_bit_for_bit(acti
     x = torch.cat([torch.stack(rows), small], dim=1)
     k = x.shape[1]
     weight_key = next(w for w, acts in cpu_fp8.MODES.items() if activation in acts)
-    kp, groups = formats.padded_cols(weight_key, k), weight_key.group_shape
-    scale = torch.ones(1 if groups.row == -1 else -(-k // groups.row), 1 if groups.col == -1 else kp // groups.col)
-    data = torch.eye(k, kp).to(torch.float8_e4m3fn)
-    weight = QTensor(data, scale, None, weight_key, (k, k), torch.float32)
-    weight.input_scale = torch.tensor(1.0)
+    weight = identity_weight(weight_key, k)
     want = reference.fake_quantize(x, activation, weight.input_scale)
     assert torch.equal(cpu_fp8.linear(x, weight, activation, out=poisoned(3, k)), want)
     for bad in (float("nan"), float("inf")):  # as the reference: that row (per token) or every row (per tensor)

@@ -110,7 +110,7 @@ def in_one_call(pair) -> bool:
 
 
 # the MoE pairs the oracle gives the cpu backend that run in one C call per layer (qp_moe, qp_moe_fp8,
-# qp_moe_fp4): weight-only, and FP8 with per-token, per-1x128 or static activation scales
+# qp_moe_fp4): weight-only, and FP8 with per-token, per-1x128, static or MXFP8 activation scales
 FAST_PAIRS = [pair for pair in PAIRS if in_one_call(pair)]
 FAST_CASES = [  # tokens, local experts, bias, activation, layout, router on input, hidden dtype, top k of 8, scale
     (1, None, False, "silu", "concat", False, torch.bfloat16, 6, 1),
@@ -169,8 +169,8 @@ def test_one_call_gives_the_loops_result(pair, case, monkeypatch):
 def test_one_call_where_it_applies():
     """The loop runs where an expert GEMM of it would not be our kernel's, or would quantize its
     activations otherwise: INT8 W8A8 (the loop fake-quantizes them in torch), FP8 with a per-tensor
-    dynamic scale (one over all routed rows in the loop) or MXFP8's, more tokens than the kernel's
-    largest M (INT4's, FP8's), experts not stored contiguously: the one-call path answers None."""
+    dynamic scale (one over all routed rows in the loop), more tokens than the kernel's largest M
+    (INT4's, FP8's), experts not stored contiguously: the one-call path answers None."""
     calls = []
     real = cpu._moe_on_our_kernels
 
@@ -187,18 +187,19 @@ def test_one_call_where_it_applies():
     fp8 = fast_problem((keys.kFp8StaticChannelSym, None), *FAST_CASES[0][:-1])
     nvfp4 = fast_problem((keys.kNvfp4Static, None), *FAST_CASES[0][:-1])
     fp8_w8a8 = fast_problem((keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym), *FAST_CASES[0][:-1])
+    mxfp8 = fast_problem((keys.kMxfp8Static, keys.kMxfp8Dynamic), *FAST_CASES[0][:-1])
     loops = [
         moe_args((pair[0], pair[1]), 1, None, False, "silu", "concat", False)
         for pair in [(keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym),
-                     (keys.kFp8StaticTensorSym, keys.kFp8DynamicTensorSym), (keys.kMxfp8Static, keys.kMxfp8Dynamic)]
+                     (keys.kFp8StaticTensorSym, keys.kFp8DynamicTensorSym)]
     ]  # fmt: skip
     strided = replace(nvfp4, w13=replace(nvfp4.w13, data=nvfp4.w13.data.transpose(1, 2).contiguous().transpose(1, 2)))
     loops += [long(int4, cpu.OURS_MAX_M[int4.w13.key] + 1), long(fp8, cpu.cpu_fp8.MAX_M + 1), strided]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "_moe_on_our_kernels", spy)
-        for problem in (int4, fp8, nvfp4, fp8_w8a8, *loops):
+        for problem in (int4, fp8, nvfp4, fp8_w8a8, mxfp8, *loops):
             cpu.fused_moe(problem)
-    assert all(c is not None for c in calls[:4]) and calls[4:] == [None] * len(loops), calls
+    assert all(c is not None for c in calls[:5]) and calls[5:] == [None] * len(loops), calls
 
 
 @needs_ours

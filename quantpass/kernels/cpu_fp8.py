@@ -7,9 +7,9 @@ call needs no dequantized weight. The `reference` backend, which ran FP8 on CPU 
 and multiplied with MKL's fp32 GEMM.
 
 Activations are multiplied in fp32: weight-only as given, W8A8 as the activation key quantizes them
-(what the reference multiplies: the kernel quantizes per-token, per-1x128 and per-tensor FP8
-activations itself, bit for bit as `reference.fake_quantize` does; MXFP8's go through
-`fake_quantize`), so the two backends differ only in the order of fp32 sums. Above `MAX_M` rows the
+(what the reference multiplies: the kernel quantizes per-token, per-1x128, per-tensor, static and
+MXFP8 activations itself, bit for bit as `reference.fake_quantize` does), so the two backends differ
+only in the order of fp32 sums. Above `MAX_M` rows the
 `reference` backend runs the call (one fp32 GEMM on the dequantized weight is faster there).
 """
 
@@ -38,20 +38,20 @@ MODES = {
 MAX_M = 64  # bench/cpu_kernels.py fp8, bench/README.md ("FP8 on CPU")
 EXACT = True  # activations go in as fp32, as given
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-# activation keys the kernel quantizes itself: (csrc's PER_TOKEN, PER_TENSOR or STATIC; columns per scale, 0:
-# the row). MXFP8's go through `fake_quantize` first (in torch: +1.1 ms per call at M=1 on a 4096x4096
-# weight from DRAM, measured 2026-12-01; its power-of-two scales come from torch.log2, which C would
-# not reproduce bit for bit).
-PER_TOKEN, PER_TENSOR, STATIC = 1, 2, 3
+# activation keys the kernel quantizes itself: (csrc's PER_TOKEN, PER_TENSOR, STATIC or MX; columns per
+# scale, 0: the row). MXFP8's went through `fake_quantize` in torch until 2026-12-02 (+0.25 ms per call
+# at M=1 on a 4096x4096 weight on Zen 4, +1.1 ms on a loaded Ice Lake).
+PER_TOKEN, PER_TENSOR, STATIC, MX = 1, 2, 3, 4
 ACTS = {
     k.kFp8DynamicTokenSym: (PER_TOKEN, 0),
     k.kFp8Dynamic128Sym: (PER_TOKEN, k.kFp8Dynamic128Sym.group_shape.col),
     k.kFp8DynamicTensorSym: (PER_TENSOR, 0),
     k.kFp8StaticTensorSym: (STATIC, 0),
+    k.kMxfp8Dynamic: (MX, k.kMxfp8Dynamic.group_shape.col),
 }
 # the activation keys a MoE layer runs with in one call (`moe_experts`): quantized row by row, or with
 # each expert's static scale, the same whichever rows share an expert GEMM; per-tensor dynamic scales
-# (the reference takes one over all routed rows) and MXFP8's run the per-expert loop
+# (the reference takes one over all routed rows) run the per-expert loop
 MOE_ACTIVATIONS = (None, *(a for a, (mode, _) in ACTS.items() if mode != PER_TENSOR))
 _ARGS = (P, I64, I32, I64, I64, P, I64, I64, P, P, I64, I64, I64, I32, I64, F32, F32, P, I32, P, I64, I32, I32)  # fmt: skip
 _MOE_ARGS = (
@@ -113,8 +113,6 @@ def linear(
     (act, act_group), act_scale = ACTS.get(activation, (0, 0)), 0.0
     if activation == k.kFp8StaticTensorSym:
         act_scale = _static_scale(weight, activation)
-    elif activation is not None and not act:  # the reference's activations, fp32
-        x = fake_quantize(x, activation, weight.input_scale)
     if bias is not None and bias.dtype not in cpu_avx2.DTYPES:
         bias = bias.float()
     if x.stride(-1) != 1:

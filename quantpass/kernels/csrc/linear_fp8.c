@@ -7,11 +7,11 @@
  * quantpass/kernels/cpu_fp8.py (ctypes).
  *
  * Activations are fp32 (x converted once per call into per-thread scratch, zero past K), as given or
- * (`act`) quantized on the way to FP8 and back: per token (or per group of columns), per tensor, or with
- * a static per-tensor scale, with the fp32 operations of quantpass's reference (scale = max(max|x|, eps)
- * / 448 or the static one, x / scale clamped to +-448, rounded to e4m3 to nearest even, times scale), so
- * the values are the reference's bit for bit (tested) and the products are its own up to the order of
- * fp32 sums. Other activation keys come in already quantized (cpu_fp8.py).
+ * (`act`) quantized on the way to FP8 and back: per token (or per group of columns), per tensor, with
+ * a static per-tensor scale, or MXFP8's per 32 columns, with the fp32 operations of quantpass's
+ * reference (scale = max(max|x|, eps) / 448, the static one, or MXFP8's power of two, x / scale clamped
+ * to +-448, rounded to e4m3 to nearest even, times scale), so the values are the reference's bit for bit
+ * (tested) and the products are its own up to the order of fp32 sums.
  *
  * Decoding: an e4m3 byte sign-extended to 16 bits and shifted left by 7 is an fp16 with the e4m3 sign in
  * bit 15, a stray copy of it in bit 14 (cleared) and exponent and mantissa below: its value is the e4m3
@@ -32,7 +32,8 @@
 #include "moe_layer.h"
 
 #define STEP 16   /* weight bytes decoded at a time */
-enum { AS_GIVEN = 0, PER_TOKEN = 1, PER_TENSOR = 2, STATIC = 3 }; /* `act` (PER_TOKEN: per `act_group` columns) */
+/* `act` (PER_TOKEN and MX: per `act_group` columns) */
+enum { AS_GIVEN = 0, PER_TOKEN = 1, PER_TENSOR = 2, STATIC = 3, MX = 4 };
 
 typedef struct {
   outputs o; /* g: 1 (the scales are applied per group in the tiles) */
@@ -75,6 +76,18 @@ static void fake_fp8(float *v, int64_t n, float scale) {
 
 /* The scale of a dynamic FP8 activation key for |x| max `amax`: max(amax, eps) / 448, NaN for NaN. */
 INLINE float dynamic_scale(float amax, float eps) { return isnan(amax) ? NAN : (amax > eps ? amax : eps) / 448.0f; }
+
+/* MXFP8's block scale for |x| max `amax`, as formats.py takes it: 2^ceil(log2(amax / 448)), the exponent
+ * clamped to [-127, 127] (-127 for a zero block); NaN for NaN. torch's fp32 log2 equals the double log2
+ * rounded once to fp32 at every fp32 value within 2^13 ulps of a power of two and at 2^16 subnormals
+ * (checked 2026-12-02): where ceil can go either way, this gives torch's exponent. */
+INLINE float mx_scale(float amax) {
+  if (isnan(amax)) return NAN;
+  const float q = amax / 448.0f;
+  float e = q > 0.0f ? ceilf((float)log2((double)q)) : -127.0f;
+  e = e < -127.0f ? -127.0f : e > 127.0f ? 127.0f : e;
+  return ldexpf(1.0f, (int)e);
+}
 
 /* Scale i of the grid (x 256: the decode's fp16 values are the e4m3 ones / 256). */
 INLINE float scale_at(const problem *p, int64_t i) {
@@ -153,7 +166,7 @@ static void rows(const void *p, int64_t n0, int64_t n1) { tile_rows(p, WIDE, ONE
  * [N] (`btype`; NULL: none). w [N, kp] e4m3, K <= kp; scales as the header says: ws[(n / srows) * sld + g]
  * for column group g of `group` columns (0: one group per row), fp32 or bytes through `lut`. `act`: x as
  * given or through FP8 (PER_TOKEN per `act_group` columns, 0: the row; PER_TENSOR; both with `eps`,
- * quantpass's AMAX_EPS; STATIC with `act_scale`).
+ * quantpass's AMAX_EPS; STATIC with `act_scale`; MX: MXFP8's power-of-two scale per `act_group`).
  * Returns 0; -1 if the scratch could not be allocated; -2 for a group that is not a multiple of 16. */
 int qp_linear_fp8(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const uint8_t *w, int64_t N,
                   int64_t kp, const void *ws, const float *lut, int64_t srows, int64_t sld, int64_t group,
@@ -174,9 +187,10 @@ int qp_linear_fp8(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, c
     const uint8_t *row = (const uint8_t *)x + m * ldx * (xtype == F32 ? 4 : 2);
     float *dst = buf + m * xcols;
     row_f32(row, xtype, K, dst, xcols);
-    for (int64_t c = 0; act == PER_TOKEN && c < K; c += act_group) {
+    for (int64_t c = 0; (act == PER_TOKEN || act == MX) && c < K; c += act_group) {
       const int64_t n = K - c < act_group ? K - c : act_group;
-      fake_fp8(dst + c, n, dynamic_scale(amax_of(dst + c, n), eps));
+      const float amax = amax_of(dst + c, n);
+      fake_fp8(dst + c, n, act == MX ? mx_scale(amax) : dynamic_scale(amax, eps));
     }
     if (act == STATIC) fake_fp8(dst, K, act_scale);
     if (act == PER_TENSOR) {
@@ -216,7 +230,7 @@ static int fp8_expert(const void *weights, int64_t e, const float *x, int64_t m,
 /* moe_layer on FP8 experts: w13 [E, 2I, kp13] and w2 [E, H, kp2] e4m3, each expert's scales as
  * qp_linear_fp8 takes them (srows, sld; `group` and `lut` for both), contiguous. Each GEMM's input rows as
  * given (xq AS_GIVEN) or through FP8 as qp_linear_fp8 quantizes them: per token or per `xq_group` columns
- * (PER_TOKEN: row by row, so the same whichever rows share a GEMM), or STATIC with each expert's scale
+ * (PER_TOKEN, MX: row by row, so the same whichever rows share a GEMM), or STATIC with each expert's scale
  * (xq13 for w13's GEMMs, xq2 for w2's, [E]); `eps` quantpass's AMAX_EPS. */
 int qp_moe_fp8(MOE_PARAMS, const uint8_t *w13, const void *s13, int64_t kp13, int64_t srows13, int64_t sld13,
                const uint8_t *w2, const void *s2, int64_t kp2, int64_t srows2, int64_t sld2, int64_t group,
