@@ -13,12 +13,13 @@ spread (min-max) over rounds, wall time: the routed experts' 16 GEMMs as two C c
 (csrc/bench_probes.c, no Python between the GEMMs: the kernels' own time, "kernels alone"); the graph
 op a compiled graph calls, eager (`cpu.graph_moe_op`: the C++ op where it builds); the Python graph op
 (`quantpass::fused_moe_cpu`); the per-expert loop with the same kernels (`reference.fused_moe` with
-the cpu backend's matmul: what the backend ran before 2026-12-02 for INT8/INT4, and before 2026-12-02
-08:00 UTC for the FP formats). FP8 (per channel, weight-only; per 128x128 block with per-1x128 dynamic
-activations, `fp8_per_block`), MXFP4 and NVFP4 (weight-only), the layer part only:
-their kernels have no C entry taking several layers, so in place of "kernels alone" their 16 expert
-GEMMs are timed as a Python call each (`cpu_fp8.linear`, `cpu_fp4.linear`: the kernels plus ~20-40 us
-of Python and ctypes per call). GB/s counts the routed experts' quantized weights and scales once. Model: `Qwen3MoeForCausalLM` (hidden 2048, 32 experts of 768, top
+the cpu backend's matmul: what the backend ran before 2026-12-02 for INT8/INT4 weight-only, and before
+2026-12-02 08:00 UTC for the others). INT8 W8A8 (`int8_dynamic`: its kernels alone take the activations
+unquantized), FP8 (per channel, weight-only; per 128x128 block with per-1x128 dynamic activations,
+`fp8_per_block`), MXFP4 and NVFP4 (weight-only): the layer part only. The FP kernels have no C entry
+taking several layers, so in place of "kernels alone" their 16 expert GEMMs are timed as a Python call
+each (`cpu_fp8.linear`, `cpu_fp4.linear`: the kernels plus ~20-40 us of Python and ctypes per call).
+GB/s counts the routed experts' quantized weights and scales once. Model: `Qwen3MoeForCausalLM` (hidden 2048, 32 experts of 768, top
 8, 2 layers, 16/4 attention heads, vocab 1024), bf16, one token, no cache, compiled three ways:
 quantpass (linears and experts in the format), torchao (`quantize_` with the same config as
 cpu_decode.py: it quantizes `nn.Linear` layers, so the experts, 3-D parameters, stay bf16; lm_head
@@ -48,6 +49,8 @@ from quantpass.quant_registry.keys import (
     kFp8Dynamic128Sym,
     kFp8Static128BlockSym,
     kFp8StaticChannelSym,
+    kInt8DynamicTokenSym,
+    kInt8StaticChannelSym,
     kMxfp4Static,
     kNvfp4Static,
 )
@@ -60,10 +63,11 @@ KERNELS_ALONE, GEMM_CALLS, GRAPH_OP, PYTHON_OP, LOOP = (
     "Python graph op (quantpass::fused_moe_cpu)",
     "per-expert loop (before 2026-12-02)",
 )
-# the layer part's formats: (weight key, activation key) (INT8 and INT4 as cpu_decode.py names them, then
-# the FP kernels': FP8 per channel weight-only, FP8 per 128x128 block with per-1x128 activations)
+# the layer part's formats: (weight key, activation key) (INT8 and INT4 as cpu_decode.py names them, INT8
+# W8A8, then the FP kernels': FP8 per channel weight-only, FP8 per 128x128 block with per-1x128 activations)
 KEYS = {
     **{name: (key, None) for name, (_, key) in cpu_decode.FORMATS.items()},
+    "int8_dynamic": (kInt8StaticChannelSym, kInt8DynamicTokenSym),  # W8A8, per-token activations
     "fp8": (kFp8StaticChannelSym, None),
     "fp8_per_block": (kFp8Static128BlockSym, kFp8Dynamic128Sym),
     "mxfp4": (kMxfp4Static, None),

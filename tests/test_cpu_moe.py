@@ -104,14 +104,9 @@ def test_oracle_picks_cpu_moe_on_cpu_only():
         )
 
 
-def in_one_call(pair) -> bool:
-    family = cpu.FORMAT_KERNELS.get(pair[0])
-    return pair[1] in (family.MOE_ACTIVATIONS if family is not None else (None,))
-
-
 # the MoE pairs the oracle gives the cpu backend that run in one C call per layer (qp_moe, qp_moe_fp8,
-# qp_moe_fp4): weight-only, and FP8 with per-token, per-1x128, static or MXFP8 activation scales
-FAST_PAIRS = [pair for pair in PAIRS if in_one_call(pair)]
+# qp_moe_fp4): weight-only, FP8 with per-token, per-1x128, static or MXFP8 activation scales, INT8 W8A8
+FAST_PAIRS = [pair for pair in PAIRS if cpu.moe_in_one_call(*pair)]
 FAST_CASES = [  # tokens, local experts, bias, activation, layout, router on input, hidden dtype, top k of 8, scale
     (1, None, False, "silu", "concat", False, torch.bfloat16, 6, 1),
     (1, [1, 3], True, "gelu_tanh", "interleaved", True, torch.float16, 2, 1),
@@ -168,9 +163,9 @@ def test_one_call_gives_the_loops_result(pair, case, monkeypatch):
 @needs_ours
 def test_one_call_where_it_applies():
     """The loop runs where an expert GEMM of it would not be our kernel's, or would quantize its
-    activations otherwise: INT8 W8A8 (the loop fake-quantizes them in torch), FP8 with a per-tensor
-    dynamic scale (one over all routed rows in the loop), more tokens than the kernel's largest M
-    (INT4's, FP8's), experts not stored contiguously: the one-call path answers None."""
+    activations otherwise: FP8 with a per-tensor dynamic scale (one over all routed rows in the loop),
+    more tokens than the kernel's largest M (INT4's, FP8's), experts not stored contiguously: the
+    one-call path answers None."""
     calls = []
     real = cpu._moe_on_our_kernels
 
@@ -188,18 +183,15 @@ def test_one_call_where_it_applies():
     nvfp4 = fast_problem((keys.kNvfp4Static, None), *FAST_CASES[0][:-1])
     fp8_w8a8 = fast_problem((keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym), *FAST_CASES[0][:-1])
     mxfp8 = fast_problem((keys.kMxfp8Static, keys.kMxfp8Dynamic), *FAST_CASES[0][:-1])
-    loops = [
-        moe_args((pair[0], pair[1]), 1, None, False, "silu", "concat", False)
-        for pair in [(keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym),
-                     (keys.kFp8StaticTensorSym, keys.kFp8DynamicTensorSym)]
-    ]  # fmt: skip
+    int8_w8a8 = fast_problem((keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym), *FAST_CASES[0][:-1])
+    loops = [moe_args((keys.kFp8StaticTensorSym, keys.kFp8DynamicTensorSym), 1, None, False, "silu", "concat", False)]
     strided = replace(nvfp4, w13=replace(nvfp4.w13, data=nvfp4.w13.data.transpose(1, 2).contiguous().transpose(1, 2)))
     loops += [long(int4, cpu.OURS_MAX_M[int4.w13.key] + 1), long(fp8, cpu.cpu_fp8.MAX_M + 1), strided]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "_moe_on_our_kernels", spy)
-        for problem in (int4, fp8, nvfp4, fp8_w8a8, mxfp8, *loops):
+        for problem in (int4, fp8, nvfp4, fp8_w8a8, mxfp8, int8_w8a8, *loops):
             cpu.fused_moe(problem)
-    assert all(c is not None for c in calls[:5]) and calls[5:] == [None] * len(loops), calls
+    assert all(c is not None for c in calls[:6]) and calls[6:] == [None] * len(loops), calls
 
 
 @needs_ours

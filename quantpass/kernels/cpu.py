@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from ..moe_problem import ACTIVATIONS as MOE_ACTIVATIONS
 from ..moe_problem import GATE_UP_LAYOUTS, GateUpLayout, MoEProblem
-from ..quant_registry.formats import dequantize, unpack_int4
+from ..quant_registry.formats import AMAX_EPS, dequantize, unpack_int4
 from ..quant_registry.keys import KEYS, kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
 from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
@@ -114,7 +114,7 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
     ours, name = cpu_avx2.available()
     if ours and weight in ACTIVATION_MODES:
         bits, (mode, accuracy) = BITS[weight], ACTIVATION_MODES[weight]
-        if kind == Kind.MOE and activation is None:  # `_moe_on_our_kernels`, up to the kernels' largest M
+        if kind == Kind.MOE:  # `_moe_on_our_kernels`, up to the kernels' largest M
             loop = f"one C call per layer for T <= {OURS_MAX_M[weight]} (per-expert loop above): "
         return True, (
             f"{loop}INT{bits} on {name} with {mode} activations ({accuracy}) for M <= {OURS_MAX_M[weight]}, "
@@ -189,7 +189,8 @@ def _prepare_experts(weight: QTensor) -> QTensor:
 
 def fused_moe(problem: MoEProblem) -> torch.Tensor:
     """hidden [T, H] -> [T, H]: on our kernels in one C call where `_moe_on_our_kernels` runs the layer
-    (weight-only; FP8 with row-wise or static activation scales); anything else `reference.fused_moe`'s
+    (`moe_in_one_call`: weight-only; FP8 with row-wise or static activation scales; INT8 W8A8); anything
+    else `reference.fused_moe`'s
     loop with `linear`'s kernels per expert (activation keys are fake-quantized by the loop, as the
     reference does)."""
     w13, w2, hidden = problem.w13, problem.w2, problem.hidden
@@ -216,7 +217,7 @@ def _moe_on_our_kernels(
 ) -> torch.Tensor | None:  # fmt: skip
     """A MoE layer in one C call (hidden [T, H] -> [T, H]): csrc/moe_layer.h's steps of the loop with
     each expert's rows through its weights once, on the kernel every expert GEMM of the loop would run
-    (INT8/INT4 weight-only: qp_moe; FP8 weight-only or with the activation keys in
+    (INT8/INT4 weight-only and INT8 W8A8: qp_moe; FP8 weight-only or with the activation keys in
     `cpu_fp8.MOE_ACTIVATIONS`: qp_moe_fp8; MXFP4, NVFP4 weight-only: qp_moe_fp4), where the kernel reads
     the weights as they are, T <= its largest M and the dtypes are ones it reads; else None. At decode
     the loop's Python and torch calls per expert cost as much as the kernels (bench/README.md, "MoE at
@@ -278,24 +279,30 @@ def _moe_experts(weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale,
         )
         return None if found is None else (found[0], found[1], module.MAX_M, found[2])
     fast, lib = _FAST.get(weight_key), cpu_avx2.library()
+    if fast is None or lib is None:
+        return None
+    bits, mode, most, per_token_key = fast
+    per_token = bool(activation_key) and activation_key == per_token_key  # INT8 W8A8: rows quantized in C
     tensors = (w13_data, w13_scale, w2_data, w2_scale)
-    if fast is None or lib is None or activation_key or not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
+    if activation_key and not per_token:
+        return None
+    if not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
         return None
     if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
         return None
-    bits, mode, most = fast
     kp13, kp2 = (w.shape[2] * (2 if bits == 4 else 1) for w in (w13_data, w2_data))
-    weights = (
-        w13_data.data_ptr(),
-        w13_scale.data_ptr(),
-        kp13,
-        w2_data.data_ptr(),
-        w2_scale.data_ptr(),
-        kp2,
-        bits,
-        mode,
-    )
+    weights = (w13_data.data_ptr(), w13_scale.data_ptr(), kp13, w2_data.data_ptr(), w2_scale.data_ptr(), kp2, bits,
+               mode, per_token, AMAX_EPS)  # fmt: skip
     return lib.qp_moe, weights, most, ()
+
+
+def moe_in_one_call(weight, activation) -> bool:
+    """Whether a MoE layer with this pair runs in one C call here (`_moe_on_our_kernels`, up to the
+    kernel's largest M): weight-only on every kernel, FP8 with `cpu_fp8.MOE_ACTIVATIONS`, INT8 W8A8."""
+    family = FORMAT_KERNELS.get(weight)
+    if family is not None:
+        return activation in family.MOE_ACTIVATIONS and family.available()[0]
+    return weight in ACTIVATION_MODES and activation in ACTIVATIONS.get(weight, (None,)) and cpu_avx2.available()[0]
 
 
 def _expert_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
@@ -410,7 +417,17 @@ _LIBRARY.define(
     "str activation_key, str backend, SymInt out_features, Tensor? input_scale=None) -> Tensor",
     tags=cpu_op.GRAPH_OP_TAGS,
 )
-_FAST = {str(key): (BITS[key], cpu_avx2.MODES[ACTIVATION_MODES[key][0]], OURS_MAX_M[key]) for key in ACTIVATION_MODES}
+# weight key -> (bits, activation mode, most rows, the activation key a MoE layer quantizes per token in
+# qp_moe or ""): our kernels' table, for the graph ops here and in C++
+_FAST = {
+    str(key): (
+        BITS[key],
+        cpu_avx2.MODES[ACTIVATION_MODES[key][0]],
+        OURS_MAX_M[key],
+        next((str(a) for a in ACTIVATIONS.get(key, ()) if a is not None), ""),
+    )
+    for key in ACTIVATION_MODES
+}
 
 
 def graph_linear_op(device_type: str):
@@ -454,7 +471,7 @@ def _graph_linear(
             and w_scale.is_contiguous()
             and (bias is None or bias.is_contiguous())
         ):
-            bits, mode, most = fast
+            bits, mode, most, _ = fast
             shape = x.shape
             rows = x if len(shape) == 2 else x.reshape(-1, shape[-1])
             m, k = rows.shape

@@ -54,7 +54,7 @@ _ARGS = (P, I64, I32, I64, I64, P, P, I64, I64, I32, P, I32, P, I64, I32, I32, I
 F32 = ctypes.c_float
 # csrc/moe_layer.h's MOE_PARAMS: what every MoE entry (qp_moe, qp_moe_fp8, qp_moe_fp4) takes first
 MOE_LAYER_ARGS = (P, I32, I64, I64, P, I64, P, I32, I64, P, I32, I32, I64, I64, P, P, I32, I32, I32, F32, F32, P, I32, I64)  # fmt: skip
-_MOE_ARGS = (*MOE_LAYER_ARGS, P, P, I64, P, P, I64, I32, I32)  # qp_moe's C signature
+_MOE_ARGS = (*MOE_LAYER_ARGS, P, P, I64, P, P, I64, I32, I32, I32, F32)  # qp_moe's C signature
 
 
 def available() -> tuple[bool, str]:

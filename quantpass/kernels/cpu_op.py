@@ -31,6 +31,7 @@ import torch.utils.cpp_extension as cpp_extension
 
 from ..moe_problem import ACTIVATIONS as MOE_ACTIVATIONS
 from ..moe_problem import GATE_UP_LAYOUTS
+from ..quant_registry.formats import AMAX_EPS
 from . import cpu_avx2
 
 logger = logging.getLogger("quantpass")
@@ -57,23 +58,24 @@ def fake_moe(hidden, *args):
     return torch.empty_like(hidden)
 
 
-def op(fast: Iterable[tuple[str, tuple[int, int, int]]]):
-    """The C++ linear op, set up with the kernels' table `fast` (weight key -> (bits, mode, most rows)),
-    or None where it can't be built here (see `reason()`)."""
+def op(fast: Iterable[tuple[str, tuple[int, int, int, str]]]):
+    """The C++ linear op, set up with the kernels' table `fast` (weight key -> (bits, mode, most rows,
+    the activation key a MoE layer quantizes per token or "")), or None where it can't be built here
+    (see `reason()`)."""
     return _load(tuple(sorted(fast)))[0] and torch.ops.quantpass.linear_cpu_cxx.default
 
 
-def moe_op(fast: Iterable[tuple[str, tuple[int, int, int]]]):
+def moe_op(fast: Iterable[tuple[str, tuple[int, int, int, str]]]):
     """The C++ MoE op (`quantpass::fused_moe_cpu`'s arguments), set up as `op` is, or None."""
     return _load(tuple(sorted(fast)))[0] and torch.ops.quantpass.fused_moe_cpu_cxx.default
 
 
-def reason(fast: Iterable[tuple[str, tuple[int, int, int]]]) -> str:
+def reason(fast: Iterable[tuple[str, tuple[int, int, int, str]]]) -> str:
     return _load(tuple(sorted(fast)))[1]
 
 
 @functools.cache
-def _load(fast: tuple[tuple[str, tuple[int, int, int]], ...]):
+def _load(fast: tuple[tuple[str, tuple[int, int, int, str]], ...]):
     entry = cpu_avx2.entry_point()
     if entry is None:
         return None, f"quantpass's C kernels are not available: {cpu_avx2.available()[1]}"
@@ -93,11 +95,12 @@ def _load(fast: tuple[tuple[str, tuple[int, int, int]], ...]):
         logger.warning("building quantpass's C++ graph op failed, graphs use the Python one: %s", detail[-500:])
         return None, f"building csrc/{SOURCE.name} with {compiler} failed"
     keys = [key for key, _ in fast]
-    bits, modes, most = ([row[i] for _, row in fast] for i in range(3))
+    bits, modes, most, per_token = ([row[i] for _, row in fast] for i in range(4))
     address, moe_address = (ctypes.cast(f, ctypes.c_void_p).value for f in (entry, cpu_avx2.library().qp_moe))
     layouts = [str(layout) for layout in GATE_UP_LAYOUTS]
     activations = [str(activation) for activation in MOE_ACTIVATIONS]
-    torch.ops.quantpass._cpu_op_setup(address, moe_address, keys, bits, modes, most, activations, layouts)
+    args = (address, moe_address, keys, bits, modes, most, per_token, AMAX_EPS, activations, layouts)
+    torch.ops.quantpass._cpu_op_setup(*args)
     torch.library.register_fake("quantpass::linear_cpu_cxx")(fake_linear)
     torch.library.register_fake("quantpass::fused_moe_cpu_cxx")(fake_moe)
     return True, f"C++ ops ({Path(path).name})"

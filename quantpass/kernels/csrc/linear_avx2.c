@@ -475,20 +475,41 @@ typedef struct { /* E experts' weights [E, N, kp] as qp_linear reads each (N: th
   const float *s;
   int64_t kp, row_bytes, groups;
   int bits, mode;
+  int per_token; /* INT8 W8A8: each input row through int8 first, one scale per row */
+  float eps;
 } int_experts;
 
-static int int_expert(const void *weights, int64_t e, const float *x, int64_t m, int64_t K, float *out, int64_t N,
+/* Row v (n elements) through int8 and back in place, as quantpass's reference quantizes a per-token
+ * INT8 activation: scale = max(max|v|, eps) / 127, round(v / scale) to nearest even within +-127, times
+ * scale (NaN rows stay NaN). */
+static void fake_int8_row(float *v, int64_t n, float eps) {
+  float amax = 0.0f;
+  for (int64_t k = 0; k < n; k++) amax = isnan(v[k]) || isnan(amax) ? NAN : fabsf(v[k]) > amax ? fabsf(v[k]) : amax;
+  const float scale = (isnan(amax) ? amax : amax > eps ? amax : eps) / 127.0f;
+  for (int64_t k = 0; k < n; k++) {
+    float q = v[k] / scale;
+    q = q > 127.0f ? 127.0f : q < -127.0f ? -127.0f : q; /* NaN stays NaN */
+    v[k] = nearbyintf(q) * scale;
+  }
+}
+
+static int int_expert(const void *weights, int64_t e, float *x, int64_t m, int64_t K, float *out, int64_t N,
                       int threads) {
   const int_experts *q = weights;
+  for (int64_t r = 0; q->per_token && r < m; r++) fake_int8_row(x + r * K, K, q->eps);
   return qp_linear(x, K, F32, m, K, q->w + e * N * q->row_bytes, q->s + e * N * q->groups, N, q->kp, q->bits, NULL,
                    0, out, N, F32, q->mode, threads);
 }
 
 /* moe_layer on INT8/INT4 experts: w13 [E, 2I, kp13 (/ 2 for INT4)], s13 [E, 2I, groups], w2 [E, H, kp2 ...],
- * s2 [E, H, ...] contiguous, as qp_linear reads them, multiplied in `mode`. */
+ * s2 [E, H, ...] contiguous, as qp_linear reads them, multiplied in `mode`; `per_token` (INT8 W8A8): each
+ * GEMM's input rows through int8 per row first (`eps`: quantpass's AMAX_EPS), as the reference's loop
+ * quantizes them over all routed rows, row by row. */
 int qp_moe(MOE_PARAMS, const uint8_t *w13, const float *s13, int64_t kp13, const uint8_t *w2, const float *s2,
-           int64_t kp2, int bits, int mode) {
-  const int_experts a = {w13, s13, kp13, bits == 4 ? kp13 / 2 : kp13, bits == 4 ? kp13 / GROUP : 1, bits, mode};
-  const int_experts b = {w2, s2, kp2, bits == 4 ? kp2 / 2 : kp2, bits == 4 ? kp2 / GROUP : 1, bits, mode};
+           int64_t kp2, int bits, int mode, int per_token, float eps) {
+  const int_experts a = {w13, s13, kp13, bits == 4 ? kp13 / 2 : kp13, bits == 4 ? kp13 / GROUP : 1, bits, mode,
+                         per_token, eps};
+  const int_experts b = {w2, s2, kp2, bits == 4 ? kp2 / 2 : kp2, bits == 4 ? kp2 / GROUP : 1, bits, mode,
+                         per_token, eps};
   return moe_layer(MOE_ARGS, int_expert, &a, &b);
 }

@@ -239,7 +239,7 @@ typedef struct { /* E experts' weights [E, N, kp / 2] and block scales [E, N, kp
   int block;
 } fp4_experts;
 
-static int fp4_expert(const void *weights, int64_t e, const float *x, int64_t m, int64_t K, float *out, int64_t N,
+static int fp4_expert(const void *weights, int64_t e, float *x, int64_t m, int64_t K, float *out, int64_t N,
                       int threads) {
   const fp4_experts *q = weights;
   return qp_linear_fp4(x, K, F32, m, K, INT8_BLOCKS, NULL, 0.0f, q->w + e * N * (q->kp / 2),

@@ -218,7 +218,7 @@ typedef struct { /* E experts' weights [E, N, kp] e4m3 and their scales, as qp_l
   float eps;
 } fp8_experts;
 
-static int fp8_expert(const void *weights, int64_t e, const float *x, int64_t m, int64_t K, float *out, int64_t N,
+static int fp8_expert(const void *weights, int64_t e, float *x, int64_t m, int64_t K, float *out, int64_t N,
                       int threads) {
   const fp8_experts *q = weights;
   const int64_t scale_bytes = (N + q->srows - 1) / q->srows * q->sld * (q->lut ? 1 : 4);

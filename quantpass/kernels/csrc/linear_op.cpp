@@ -10,8 +10,9 @@
 // kernels don't read), these ops call the Python ones, so both always give the same result.
 //
 // `quantpass::_cpu_op_setup` hands over, once, the kernels' entry points (qp_linear's and qp_moe's
-// addresses), the table of weight keys the kernels run (key -> (bits, mode, most rows)) and the MoE
-// activations and gate/up layouts in qp_moe's order.
+// addresses), the table of weight keys the kernels run (key -> (bits, mode, most rows, the activation key
+// a MoE layer quantizes per token in qp_moe or "")), quantpass's AMAX_EPS, and the MoE activations and
+// gate/up layouts in qp_moe's order.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -36,17 +37,19 @@ using MoeEntry = int (*)(const void *hidden, int htype, int64_t T, int64_t H, co
                          int64_t E, int64_t I, const void *b13, const void *b2, int btype, int act, int layout,
                          float alpha, float limit, void *out, int threads, int64_t most, const uint8_t *w13,
                          const float *s13, int64_t kp13, const uint8_t *w2, const float *s2, int64_t kp2, int bits,
-                         int mode);
+                         int mode, int per_token, float eps);
 
 struct Fast {
   int bits, mode;
-  int64_t most;  // the most activation rows the kernels take for this format
+  int64_t most;           // the most activation rows the kernels take for this format
+  std::string per_token;  // the activation key a MoE layer of it quantizes per token in qp_moe ("": none)
 };
 
 Entry entry = nullptr;
 MoeEntry moe_entry = nullptr;
 std::unordered_map<std::string, Fast> fast;
 std::vector<std::string> activations, layouts;  // moe_problem's, in qp_moe's order
+float eps = 0.0f;                               // quantpass's AMAX_EPS, for qp_moe's per-token activations
 
 int type_code(c10::ScalarType type) {  // csrc/linear_avx2.c's F32, BF16, F16; -1: not read
   switch (type) {
@@ -58,12 +61,14 @@ int type_code(c10::ScalarType type) {  // csrc/linear_avx2.c's F32, BF16, F16; -
 }
 
 void setup(int64_t address, int64_t moe_address, std::vector<std::string> keys, std::vector<int64_t> bits,
-           std::vector<int64_t> modes, std::vector<int64_t> most, std::vector<std::string> moe_activations,
-           std::vector<std::string> gate_up_layouts) {
-  TORCH_CHECK(keys.size() == bits.size() && keys.size() == modes.size() && keys.size() == most.size(),
-              "quantpass::_cpu_op_setup: keys, bits, modes and most must have one entry per key");
+           std::vector<int64_t> modes, std::vector<int64_t> most, std::vector<std::string> per_token,
+           double amax_eps, std::vector<std::string> moe_activations, std::vector<std::string> gate_up_layouts) {
+  TORCH_CHECK(keys.size() == bits.size() && keys.size() == modes.size() && keys.size() == most.size() &&
+                  keys.size() == per_token.size(),
+              "quantpass::_cpu_op_setup: keys, bits, modes, most and per_token must have one entry per key");
   fast.clear();
-  for (size_t i = 0; i < keys.size(); i++) fast[keys[i]] = Fast{(int)bits[i], (int)modes[i], most[i]};
+  for (size_t i = 0; i < keys.size(); i++) fast[keys[i]] = Fast{(int)bits[i], (int)modes[i], most[i], per_token[i]};
+  eps = (float)amax_eps;
   activations = std::move(moe_activations);
   layouts = std::move(gate_up_layouts);
   entry = reinterpret_cast<Entry>(address);
@@ -149,7 +154,9 @@ at::Tensor fused_moe(const at::Tensor &hidden, const at::Tensor &topk_weights, c
                      c10::string_view activation, c10::string_view gate_up_layout, bool on_input,
                      c10::SymInt intermediate_size, double alpha, double limit, const OptTensor &w13_input_scale,
                      const OptTensor &w2_input_scale) {
-  const auto found = moe_entry && activation_key.empty() ? fast.find(std::string(weight_key)) : fast.end();
+  auto found = moe_entry ? fast.find(std::string(weight_key)) : fast.end();
+  const bool per_token = found != fast.end() && !activation_key.empty() && activation_key == found->second.per_token;
+  if (!activation_key.empty() && !per_token) found = fast.end();
   const int htype = type_code(hidden.scalar_type()), rtype = type_code(topk_weights.scalar_type());
   const int btype = b13 ? type_code(b13->scalar_type()) : 0;
   const int64_t act = index_of(activations, activation), layout = index_of(layouts, gate_up_layout);
@@ -178,7 +185,7 @@ at::Tensor fused_moe(const at::Tensor &hidden, const at::Tensor &topk_weights, c
           (int)layout, (float)alpha, (float)limit, out.data_ptr(), at::get_num_threads(), f.most,
           static_cast<const uint8_t *>(w13_data.data_ptr()), static_cast<const float *>(w13_scale.data_ptr()), kp13,
           static_cast<const uint8_t *>(w2_data.data_ptr()), static_cast<const float *>(w2_scale.data_ptr()), kp2,
-          f.bits, f.mode);
+          f.bits, f.mode, per_token, eps);
       TORCH_CHECK_INDEX(status != -3, "an expert id outside the expert map or [0, ", w13_data.size(0), ") in ",
                         topk_ids);
       TORCH_CHECK(status == 0, "quantpass's CPU kernel could not allocate its scratch (status ", status, ")");
@@ -207,7 +214,7 @@ TORCH_LIBRARY_FRAGMENT(quantpass, m) {
       {at::Tag::needs_fixed_stride_order});
   m.def(
       "_cpu_op_setup(int address, int moe_address, str[] keys, int[] bits, int[] modes, int[] most, "
-      "str[] moe_activations, str[] gate_up_layouts) -> ()",
+      "str[] per_token, float amax_eps, str[] moe_activations, str[] gate_up_layouts) -> ()",
       &setup);
 }
 

@@ -10,8 +10,9 @@
 #include "cpu_common.h"
 
 /* x [m, K] fp32 (row stride K) times expert e's weights (`weights`: the format's experts) -> out [m, N] fp32
- * (row stride N). Returns the kernel's status (0: done). */
-typedef int (*expert_gemm)(const void *weights, int64_t e, const float *x, int64_t m, int64_t K, float *out,
+ * (row stride N). x is moe_layer's scratch, read by this GEMM only: it may be overwritten (quantized in
+ * place). Returns the kernel's status (0: done). */
+typedef int (*expert_gemm)(const void *weights, int64_t e, float *x, int64_t m, int64_t K, float *out,
                            int64_t N, int threads);
 
 /* The parameters every MoE entry starts with (`moe_layer`'s), and the same as arguments. */
@@ -104,7 +105,7 @@ static void gated_row(const float *h, int64_t I, int layout, int act, float alph
 /* Row r of x [R, K] (fp32) times expert experts[r]'s weights -> out row r (fp32, [R, N]). Rows sorted by
  * expert: each run of rows with one expert is one GEMM of up to `most` rows, so each expert's weights are
  * read once. */
-static int experts_linear(const float *x, int64_t R, int64_t K, const int64_t *experts, expert_gemm gemm,
+static int experts_linear(float *x, int64_t R, int64_t K, const int64_t *experts, expert_gemm gemm,
                           const void *weights, int64_t N, float *out, int threads, int64_t most) {
   for (int64_t r = 0, m; r < R; r += m) {
     const int64_t e = experts[r];
