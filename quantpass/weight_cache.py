@@ -295,9 +295,10 @@ def install_eager_guard() -> None:
     fallback after a graph break) gets its released weights back before its forward reads them,
     with a warning; a global forward pre-hook, which compiled code never runs (Dynamo folds
     `is_compiling()`; while it traces, the hook only checks the graph's backend at trace time:
-    `_restore_before_another_backend`), costing ~1 us per eager module call. Installed when quantpass's backend is
-    imported, before any trace: Dynamo traces module calls differently with a global hook, and a
-    frame whose analysis it restarts after the backend ran (dynamic shapes) must see the same."""
+    `_restore_before_another_backend`), costing ~1 us per eager module call. Installed when
+    quantpass's backend is imported, before any trace: Dynamo traces module calls differently with a
+    global hook, and a frame whose analysis it restarts after the backend ran (dynamic shapes) must
+    see the same."""
     if not _EAGER_GUARD:
         _EAGER_GUARD.append(torch.nn.modules.module.register_module_forward_pre_hook(_restore_before_eager_use))
         # torch.compile(module) then warns that global hooks fire once more for its wrapper module:

@@ -9,9 +9,9 @@ and multiplied with MKL's fp32 GEMM.
 Activations are multiplied in fp32: weight-only as given, W8A8 as the activation key quantizes them
 (what the reference multiplies: the kernel quantizes per-token, per-1x128, per-tensor, static and
 MXFP8 activations itself, bit for bit as `reference.fake_quantize` does), so the two backends differ
-only in the order of fp32 sums. Above `MAX_M` rows the
-`reference` backend runs the call (one fp32 GEMM on the dequantized weight is faster there).
-"""
+only in the order of fp32 sums. Above `MAX_M` rows the `reference` backend runs the call (one fp32
+GEMM on the dequantized weight is faster there). `moe_experts` hands a MoE layer's experts to the
+kernel's one-call MoE entry (kernels/cpu.py, `_moe_on_our_kernels`)."""
 
 from __future__ import annotations
 
@@ -54,26 +54,9 @@ ACTS = {
 # (the reference takes one over all routed rows) run the per-expert loop
 MOE_ACTIVATIONS = (None, *(a for a, (mode, _) in ACTS.items() if mode != PER_TENSOR))
 _ARGS = (P, I64, I32, I64, I64, P, I64, I64, P, P, I64, I64, I64, I32, I64, F32, F32, P, I32, P, I64, I32, I32)  # fmt: skip
-_MOE_ARGS = (
-    *cpu_avx2.MOE_LAYER_ARGS,
-    P,
-    P,
-    I64,
-    I64,
-    I64,
-    P,
-    P,
-    I64,
-    I64,
-    I64,
-    I64,
-    P,
-    I32,
-    I64,
-    P,
-    P,
-    F32,
-)  # qp_moe_fp8's
+# qp_moe_fp8's: the layer's, then each GEMM's weights (data, scales, kp, srows, sld), group, lut, how
+# the rows are quantized (act, act_group), the static scales of w13's and w2's GEMMs, eps
+_MOE_ARGS = (*cpu_avx2.MOE_LAYER_ARGS, P, P, I64, I64, I64, P, P, I64, I64, I64, I64, P, I32, I64, P, P, F32)  # fmt: skip
 _library = cpu_avx2.format_kernel(SOURCE, {"qp_linear_fp8": _ARGS, "qp_moe_fp8": _MOE_ARGS}, "FP8")
 
 
