@@ -3,7 +3,7 @@ layer at T=1 against its experts' kernels alone, and a MoE model's 1-token forwa
 
     python bench/cpu_moe_decode.py                      # both parts, INT4 and INT8, 1 and 2 threads
     python bench/cpu_moe_decode.py --parts layer --threads 1 --rounds 21
-    python bench/cpu_moe_decode.py --parts layer --formats fp8 fp8_per_block mxfp4 nvfp4   # the FP kernels' one call
+    python bench/cpu_moe_decode.py --formats fp8_weight_only fp8_per_block mxfp4   # other formats' one call
 
 Method. Layer: Qwen3-30B-A3B's expert shapes (hidden 2048, expert intermediate 768, top 8) with 64
 experts (the model has 128; 64 keep quantizing quick and are 151 MiB as INT4, 302 MiB as INT8, over
@@ -14,16 +14,19 @@ spread (min-max) over rounds, wall time: the routed experts' 16 GEMMs as two C c
 op a compiled graph calls, eager (`cpu.graph_moe_op`: the C++ op where it builds); the Python graph op
 (`quantpass::fused_moe_cpu`); the per-expert loop with the same kernels (`reference.fused_moe` with
 the cpu backend's matmul: what the backend ran before 2026-12-02 for INT8/INT4 weight-only, and before
-2026-12-02 08:00 UTC for the others). INT8 W8A8 (`int8_dynamic`: its kernels alone take the activations
-unquantized), FP8 (per channel, weight-only; per 128x128 block with per-1x128 dynamic activations,
-`fp8_per_block`), MXFP4 and NVFP4 (weight-only): the layer part only. The FP kernels have no C entry
-taking several layers, so in place of "kernels alone" their 16 expert GEMMs are timed as a Python call
-each (`cpu_fp8.linear`, `cpu_fp4.linear`: the kernels plus ~20-40 us of Python and ctypes per call).
-GB/s counts the routed experts' quantized weights and scales once. Model: `Qwen3MoeForCausalLM` (hidden 2048, 32 experts of 768, top
+2026-12-02 08:00 UTC for the others). The other formats, by their quantpass names (`ONE_CALL`):
+INT8 W8A8 (`int8_per_channel`: its kernels alone take the activations unquantized), FP8 weight-only,
+FP8 per 128x128 block with per-1x128 dynamic activations (`fp8_per_block`), MXFP8 W8A8, MXFP4 and
+NVFP4 weight-only. The FP kernels have no C entry taking several layers, so in place of "kernels
+alone" their 16 expert GEMMs are timed as a Python call each (`cpu_fp8.linear`, `cpu_fp4.linear`: the
+kernels plus ~20-40 us of Python and ctypes per call). GB/s counts the routed experts' quantized
+weights and scales once. Model: `Qwen3MoeForCausalLM` (hidden 2048, 32 experts of 768, top
 8, 2 layers, 16/4 attention heads, vocab 1024), bf16, one token, no cache, compiled three ways:
-quantpass (linears and experts in the format), torchao (`quantize_` with the same config as
-cpu_decode.py: it quantizes `nn.Linear` layers, so the experts, 3-D parameters, stay bf16; lm_head
-left in bf16 by both) and plain Inductor in bf16.
+quantpass (linears and experts in the format), torchao (INT8 and INT4: `quantize_` with the same
+config as cpu_decode.py: it quantizes `nn.Linear` layers, so the experts, 3-D parameters, stay bf16;
+lm_head left in bf16 by both) or, for the FP formats, the same compiled quantpass model with each MoE
+layer as the per-expert loop (`cpu._moe_on_our_kernels` refusing, so the Python graph op runs the
+loop), and plain Inductor in bf16.
 
 Writes `cpu_moe_decode.csv` to --out (default $OUT or bench/out/) and prints markdown tables.
 """
@@ -35,6 +38,7 @@ import copy
 import os
 import platform
 import statistics
+import unittest.mock
 from pathlib import Path
 
 import cpu_decode  # bench/cpu_decode.py: the bandwidth probe, the kernels-alone call, torchao's configs
@@ -45,15 +49,7 @@ import quantpass as qp
 from quantpass.kernels import cpu, cpu_avx2, reference
 from quantpass.moe_problem import GatedActivation, MoEProblem
 from quantpass.quant_registry import formats
-from quantpass.quant_registry.keys import (
-    kFp8Dynamic128Sym,
-    kFp8Static128BlockSym,
-    kFp8StaticChannelSym,
-    kInt8DynamicTokenSym,
-    kInt8StaticChannelSym,
-    kMxfp4Static,
-    kNvfp4Static,
-)
+from quantpass.quant_registry.named_formats import SHORTHANDS
 
 HIDDEN, INTER, EXPERTS, TOP_K, ROUTINGS = 2048, 768, 64, 8, 8
 KERNELS_ALONE, GEMM_CALLS, GRAPH_OP, PYTHON_OP, LOOP = (
@@ -63,16 +59,12 @@ KERNELS_ALONE, GEMM_CALLS, GRAPH_OP, PYTHON_OP, LOOP = (
     "Python graph op (quantpass::fused_moe_cpu)",
     "per-expert loop (before 2026-12-02)",
 )
-# the layer part's formats: (weight key, activation key) (INT8 and INT4 as cpu_decode.py names them, INT8
-# W8A8, then the FP kernels': FP8 per channel weight-only, FP8 per 128x128 block with per-1x128 activations)
-KEYS = {
-    **{name: (key, None) for name, (_, key) in cpu_decode.FORMATS.items()},
-    "int8_dynamic": (kInt8StaticChannelSym, kInt8DynamicTokenSym),  # W8A8, per-token activations
-    "fp8": (kFp8StaticChannelSym, None),
-    "fp8_per_block": (kFp8Static128BlockSym, kFp8Dynamic128Sym),
-    "mxfp4": (kMxfp4Static, None),
-    "nvfp4": (kNvfp4Static, None),
-}
+LOOP_MODEL = "quantpass, MoE layers as the per-expert loop"
+# the formats: cpu_decode.py's INT8 and INT4 (weight-only; the model part against torchao), and by their
+# quantpass names the other pairs a MoE layer runs in one call on CPU (the model part against the
+# per-expert loop where the layer goes through the Python graph op)
+ONE_CALL = ("int8_per_channel", "fp8_weight_only", "fp8_per_block", "mxfp8", "mxfp4", "nvfp4_weight_only")
+KEYS = {**{name: (key, None) for name, (_, key) in cpu_decode.FORMATS.items()}, **{n: SHORTHANDS[n] for n in ONE_CALL}}
 
 
 def parse_args():
@@ -152,16 +144,23 @@ def qwen3_moe(name: str) -> dict:
                             decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm").to(torch.bfloat16).eval()
-    fmt = cpu_decode.FORMATS[name][0]
+    fmt = cpu_decode.FORMATS[name][0] if name in cpu_decode.FORMATS else name
     plain = torch.compile(copy.deepcopy(model))  # quantpass releases the weights of the model it compiles
-    theirs = torch.compile(cpu_decode.torchao_quantized(model, name, skip="lm_head"))
+    theirs = torch.compile(cpu_decode.torchao_quantized(model, name, skip="lm_head")) if fmt != name else None
     ours = torch.compile(model, backend=qp.backend(linear=fmt, moe=fmt, backend="cpu"))
     ids = torch.randint(0, 1024, (1, 1))
-    return {
-        "quantpass (linears + experts)": lambda: ours(ids, use_cache=False).logits,
-        "torchao (linears; experts bf16)": lambda: theirs(ids, use_cache=False).logits,
-        "bf16 (plain Inductor)": lambda: plain(ids, use_cache=False).logits,
-    }
+    cases = {"quantpass (linears + experts)": lambda: ours(ids, use_cache=False).logits}
+    if theirs is not None:
+        cases["torchao (linears; experts bf16)"] = lambda: theirs(ids, use_cache=False).logits
+    elif KEYS[name][0] in cpu.FORMAT_KERNELS:  # its C++ graph op hands the layer to the Python one
+
+        def loop():  # the same compiled model, each MoE layer as the per-expert loop (the one call refused)
+            with unittest.mock.patch.object(cpu, "_moe_on_our_kernels", lambda *args: None):
+                return ours(ids, use_cache=False).logits
+
+        cases[LOOP_MODEL] = loop
+    cases["bf16 (plain Inductor)"] = lambda: plain(ids, use_cache=False).logits
+    return cases
 
 
 def main() -> None:
@@ -194,7 +193,7 @@ def main() -> None:
                         print(f"| {name} | {case} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} | {gbps:.2f} | "
                               f"{gbps / bandwidth * 100:.0f}% | {ratio:.2f}x |")  # fmt: skip
             if "model" in args.parts:
-                for name in (name for name in args.formats if name in cpu_decode.FORMATS):
+                for name in args.formats:
                     times = cpu_decode.interleaved(qwen3_moe(name), args.rounds)
                     med = {case: statistics.median(ts) for case, ts in times.items()}
                     ours = med["quantpass (linears + experts)"]
