@@ -105,7 +105,7 @@ def test_oracle_picks_cpu_moe_on_cpu_only():
 
 
 # the MoE pairs the oracle gives the cpu backend that run in one C call per layer (qp_moe, qp_moe_fp8,
-# qp_moe_fp4): weight-only, FP8 with per-token, per-1x128, static or MXFP8 activation scales, INT8 W8A8
+# qp_moe_fp4): all of them (weight-only, FP8 and MXFP8 W8A8, INT8 W8A8)
 FAST_PAIRS = [pair for pair in PAIRS if cpu.moe_in_one_call(*pair)]
 FAST_CASES = [  # tokens, local experts, bias, activation, layout, router on input, hidden dtype, top k of 8, scale
     (1, None, False, "silu", "concat", False, torch.bfloat16, 6, 1),
@@ -162,10 +162,10 @@ def test_one_call_gives_the_loops_result(pair, case, monkeypatch):
 
 @needs_ours
 def test_one_call_where_it_applies():
-    """The loop runs where an expert GEMM of it would not be our kernel's, or would quantize its
-    activations otherwise: FP8 with a per-tensor dynamic scale (one over all routed rows in the loop),
-    more tokens than the kernel's largest M (INT4's, FP8's), experts not stored contiguously: the
-    one-call path answers None."""
+    """Every activation key the cpu backend takes for a MoE layer runs in one call (FP8 with a
+    per-tensor dynamic scale too: one scale over all routed rows, as the loop takes it); the loop runs
+    where an expert GEMM of it would not be our kernel's: more tokens than the kernel's largest M
+    (INT4's, FP8's), experts not stored contiguously: the one-call path answers None."""
     calls = []
     real = cpu._moe_on_our_kernels
 
@@ -184,14 +184,14 @@ def test_one_call_where_it_applies():
     fp8_w8a8 = fast_problem((keys.kFp8Static128BlockSym, keys.kFp8Dynamic128Sym), *FAST_CASES[0][:-1])
     mxfp8 = fast_problem((keys.kMxfp8Static, keys.kMxfp8Dynamic), *FAST_CASES[0][:-1])
     int8_w8a8 = fast_problem((keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym), *FAST_CASES[0][:-1])
-    loops = [moe_args((keys.kFp8StaticTensorSym, keys.kFp8DynamicTensorSym), 1, None, False, "silu", "concat", False)]
+    fp8_tensor = fast_problem((keys.kFp8StaticTensorSym, keys.kFp8DynamicTensorSym), *FAST_CASES[0][:-1])
     strided = replace(nvfp4, w13=replace(nvfp4.w13, data=nvfp4.w13.data.transpose(1, 2).contiguous().transpose(1, 2)))
-    loops += [long(int4, cpu.OURS_MAX_M[int4.w13.key] + 1), long(fp8, cpu.cpu_fp8.MAX_M + 1), strided]
+    loops = [long(int4, cpu.OURS_MAX_M[int4.w13.key] + 1), long(fp8, cpu.cpu_fp8.MAX_M + 1), strided]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(cpu, "_moe_on_our_kernels", spy)
-        for problem in (int4, fp8, nvfp4, fp8_w8a8, mxfp8, int8_w8a8, *loops):
+        for problem in (int4, fp8, nvfp4, fp8_w8a8, mxfp8, int8_w8a8, fp8_tensor, *loops):
             cpu.fused_moe(problem)
-    assert all(c is not None for c in calls[:6]) and calls[6:] == [None] * len(loops), calls
+    assert all(c is not None for c in calls[:7]) and calls[7:] == [None] * len(loops), calls
 
 
 @needs_ours

@@ -189,10 +189,9 @@ def _prepare_experts(weight: QTensor) -> QTensor:
 
 def fused_moe(problem: MoEProblem) -> torch.Tensor:
     """hidden [T, H] -> [T, H]: on our kernels in one C call where `_moe_on_our_kernels` runs the layer
-    (`moe_in_one_call`: weight-only; FP8 with row-wise or static activation scales; INT8 W8A8); anything
-    else `reference.fused_moe`'s
-    loop with `linear`'s kernels per expert (activation keys are fake-quantized by the loop, as the
-    reference does)."""
+    (`moe_in_one_call`: weight-only, FP8/MXFP8 W8A8, INT8 W8A8, up to the kernel's largest M); anything
+    else `reference.fused_moe`'s loop with `linear`'s kernels per expert (activation keys are
+    fake-quantized by the loop, as the reference does)."""
     w13, w2, hidden = problem.w13, problem.w2, problem.hidden
     if w13.key == w2.key:
         gated, activation_key = problem.gated, problem.activation_key

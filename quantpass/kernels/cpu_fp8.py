@@ -49,10 +49,10 @@ ACTS = {
     k.kFp8StaticTensorSym: (STATIC, 0),
     k.kMxfp8Dynamic: (MX, k.kMxfp8Dynamic.group_shape.col),
 }
-# the activation keys a MoE layer runs with in one call (`moe_experts`): quantized row by row, or with
-# each expert's static scale, the same whichever rows share an expert GEMM; per-tensor dynamic scales
-# (the reference takes one over all routed rows) run the per-expert loop
-MOE_ACTIVATIONS = (None, *(a for a, (mode, _) in ACTS.items() if mode != PER_TENSOR))
+# the activation keys a MoE layer runs with in one call (`moe_experts`): all, each expert GEMM's rows
+# quantized as the reference's loop quantizes all routed rows (row by row, each expert's static scale,
+# or one per-tensor dynamic scale over all of them, taken before the GEMMs)
+MOE_ACTIVATIONS = (None, *ACTS)
 _ARGS = (P, I64, I32, I64, I64, P, I64, I64, P, P, I64, I64, I64, I32, I64, F32, F32, P, I32, P, I64, I32, I32)  # fmt: skip
 # qp_moe_fp8's: the layer's, then each GEMM's weights (data, scales, kp, srows, sld), group, lut, how
 # the rows are quantized (act, act_group), the static scales of w13's and w2's GEMMs, eps

@@ -511,5 +511,5 @@ int qp_moe(MOE_PARAMS, const uint8_t *w13, const float *s13, int64_t kp13, const
                          per_token, eps};
   const int_experts b = {w2, s2, kp2, bits == 4 ? kp2 / 2 : kp2, bits == 4 ? kp2 / GROUP : 1, bits, mode,
                          per_token, eps};
-  return moe_layer(MOE_ARGS, int_expert, &a, &b);
+  return moe_layer(MOE_ARGS, int_expert, NULL, &a, &b);
 }

@@ -253,5 +253,5 @@ static int fp4_expert(const void *weights, int64_t e, float *x, int64_t m, int64
 int qp_moe_fp4(MOE_PARAMS, const uint8_t *w13, const uint8_t *ws13, int64_t kp13, const float *g13,
                const uint8_t *w2, const uint8_t *ws2, int64_t kp2, const float *g2, int block, const float *lut) {
   const fp4_experts a = {w13, ws13, lut, g13, kp13, block}, b = {w2, ws2, lut, g2, kp2, block};
-  return moe_layer(MOE_ARGS, fp4_expert, &a, &b);
+  return moe_layer(MOE_ARGS, fp4_expert, NULL, &a, &b);
 }

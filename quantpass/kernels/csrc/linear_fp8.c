@@ -216,27 +216,38 @@ typedef struct { /* E experts' weights [E, N, kp] e4m3 and their scales, as qp_l
   int64_t xq_group;         /* its `act_group` */
   const float *xq_scales;   /* STATIC: each expert's calibrated input scale */
   float eps;
+  float *tensor_scale;      /* PER_TENSOR: the scale over every routed row of the stage (`fp8_rows`) */
 } fp8_experts;
+
+/* PER_TENSOR: one dynamic scale over all of a stage's rows, as the reference's loop takes it; each expert
+ * GEMM then quantizes its rows with it (STATIC). */
+static void fp8_rows(const void *weights, const float *x, int64_t R, int64_t K) {
+  const fp8_experts *q = weights;
+  if (q->xq == PER_TENSOR) *q->tensor_scale = dynamic_scale(amax_of(x, R * K), q->eps);
+}
 
 static int fp8_expert(const void *weights, int64_t e, float *x, int64_t m, int64_t K, float *out, int64_t N,
                       int threads) {
   const fp8_experts *q = weights;
   const int64_t scale_bytes = (N + q->srows - 1) / q->srows * q->sld * (q->lut ? 1 : 4);
+  const int act = q->xq == PER_TENSOR ? STATIC : q->xq;
+  const float scale = q->xq == PER_TENSOR ? *q->tensor_scale : q->xq_scales ? q->xq_scales[e] : 0.0f;
   return qp_linear_fp8(x, K, F32, m, K, q->w + e * N * q->kp, N, q->kp, q->ws + e * scale_bytes, q->lut, q->srows,
-                       q->sld, q->group, q->xq, q->xq_group, q->xq_scales ? q->xq_scales[e] : 0.0f, q->eps, NULL, 0,
-                       out, N, F32, threads);
+                       q->sld, q->group, act, q->xq_group, scale, q->eps, NULL, 0, out, N, F32, threads);
 }
 
 /* moe_layer on FP8 experts: w13 [E, 2I, kp13] and w2 [E, H, kp2] e4m3, each expert's scales as
  * qp_linear_fp8 takes them (srows, sld; `group` and `lut` for both), contiguous. Each GEMM's input rows as
- * given (xq AS_GIVEN) or through FP8 as qp_linear_fp8 quantizes them: per token or per `xq_group` columns
- * (PER_TOKEN, MX: row by row, so the same whichever rows share a GEMM), or STATIC with each expert's scale
- * (xq13 for w13's GEMMs, xq2 for w2's, [E]); `eps` quantpass's AMAX_EPS. */
+ * given (xq AS_GIVEN) or through FP8 as the reference's loop quantizes them over all routed rows: per
+ * token or per `xq_group` columns (PER_TOKEN, MX: row by row, so the same whichever rows share a GEMM),
+ * PER_TENSOR (one scale over all the stage's rows, `fp8_rows`), or STATIC with each expert's scale (xq13
+ * for w13's GEMMs, xq2 for w2's, [E]); `eps` quantpass's AMAX_EPS. */
 int qp_moe_fp8(MOE_PARAMS, const uint8_t *w13, const void *s13, int64_t kp13, int64_t srows13, int64_t sld13,
                const uint8_t *w2, const void *s2, int64_t kp2, int64_t srows2, int64_t sld2, int64_t group,
                const float *lut, int xq, int64_t xq_group, const float *xq13, const float *xq2, float eps) {
-  if (xq == PER_TENSOR || (xq == STATIC && (xq13 == NULL || xq2 == NULL))) return -2; /* not per expert GEMM */
-  const fp8_experts a = {w13, s13, lut, kp13, srows13, sld13, group, xq, xq_group, xq13, eps};
-  const fp8_experts b = {w2, s2, lut, kp2, srows2, sld2, group, xq, xq_group, xq2, eps};
-  return moe_layer(MOE_ARGS, fp8_expert, &a, &b);
+  if (xq == STATIC && (xq13 == NULL || xq2 == NULL)) return -2;
+  float scale13 = 0.0f, scale2 = 0.0f;
+  const fp8_experts a = {w13, s13, lut, kp13, srows13, sld13, group, xq, xq_group, xq13, eps, &scale13};
+  const fp8_experts b = {w2, s2, lut, kp2, srows2, sld2, group, xq, xq_group, xq2, eps, &scale2};
+  return moe_layer(MOE_ARGS, fp8_expert, fp8_rows, &a, &b);
 }

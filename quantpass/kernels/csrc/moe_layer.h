@@ -15,6 +15,11 @@
 typedef int (*expert_gemm)(const void *weights, int64_t e, float *x, int64_t m, int64_t K, float *out,
                            int64_t N, int threads);
 
+/* Called once before each GEMM stage with all its input rows (x [R, K] fp32: every routed row, sorted by
+ * expert), where a format's experts need something of all of them (a per-tensor activation scale);
+ * NULL: nothing. */
+typedef void (*expert_rows)(const void *weights, const float *x, int64_t R, int64_t K);
+
 /* The parameters every MoE entry starts with (`moe_layer`'s), and the same as arguments. */
 #define MOE_PARAMS                                                                                               \
   const void *hidden, int htype, int64_t T, int64_t H, const int64_t *ids, int64_t k, const void *map,           \
@@ -122,12 +127,13 @@ static int experts_linear(float *x, int64_t R, int64_t K, const int64_t *experts
  * rounded to `htype` (the router weight multiplies x instead where `on_input`). ids [T, k] int64: global
  * expert ids, through `map` ([map_len] int32 or int64: `map_bytes`) where given; a negative local id is
  * another rank's expert, skipped (as the reference's `local_ids >= 0`). E local experts, each w13 [2I, H]
- * and w2 [H, I] (`gemm` on `w13` and `w2`: the format's experts); b13 [E, 2I], b2 [E, H] (`btype`) or NULL;
+ * and w2 [H, I] (`gemm` on `w13` and `w2`: the format's experts, `rows` before each stage, or NULL);
+ * b13 [E, 2I], b2 [E, H] (`btype`) or NULL;
  * router [T, k] (`rtype`). `act`: moe_problem.MoEActivation's index; `layout` 0: gate rows then up rows of
  * w13, 1: interleaved. Each expert's rows go through its weights once (rows sorted by expert, stable), in
  * GEMMs of at most `most` rows; the sums per token in slot order. Returns 0; -1 if memory ran out; -3 for
  * an expert id outside the map or [0, E); else the GEMM's status. */
-static int moe_layer(MOE_PARAMS, expert_gemm gemm, const void *w13, const void *w2) {
+static int moe_layer(MOE_PARAMS, expert_gemm gemm, expert_rows rows, const void *w13, const void *w2) {
   const int64_t P = T * k, I2 = 2 * I;
   /* the pairs' experts, order, rank, sorted experts and bucket starts, then the rows' fp32 buffers */
   const size_t ints = (size_t)(4 * P + E + 1), floats = (size_t)(P * (2 * H + I2 + I) + T * H);
@@ -162,6 +168,7 @@ static int moe_layer(MOE_PARAMS, expert_gemm gemm, const void *w13, const void *
     for (int64_t c = 0; c < H; c++)
       x[j * H + c] = on_input ? as_type(to_f32(hidden, htype, t * H + c) * r, htype) : to_f32(hidden, htype, t * H + c);
   }
+  if (rows != NULL) rows(w13, x, R, H);
   status = experts_linear(x, R, H, sorted, gemm, w13, I2, h, threads, most);
   if (status) goto done;
 #pragma omp parallel for num_threads(threads) if (big)
@@ -171,6 +178,7 @@ static int moe_layer(MOE_PARAMS, expert_gemm gemm, const void *w13, const void *
       for (int64_t n = 0; n < I2; n++) hj[n] += to_f32(b13, btype, sorted[j] * I2 + n);
     gated_row(hj, I, layout, act, alpha, limit, htype, a + j * I);
   }
+  if (rows != NULL) rows(w2, a, R, I);
   status = experts_linear(a, R, I, sorted, gemm, w2, H, y, threads, most);
   if (status) goto done;
 #pragma omp parallel for num_threads(threads) if (big)
