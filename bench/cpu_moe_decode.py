@@ -63,7 +63,15 @@ LOOP_MODEL = "quantpass, MoE layers as the per-expert loop"
 # the formats: cpu_decode.py's INT8 and INT4 (weight-only; the model part against torchao), and by their
 # quantpass names the other pairs a MoE layer runs in one call on CPU (the model part against the
 # per-expert loop where the layer goes through the Python graph op)
-ONE_CALL = ("int8_per_channel", "fp8_weight_only", "fp8_per_block", "mxfp8", "mxfp4", "nvfp4_weight_only")
+ONE_CALL = (
+    "int8_per_channel",
+    "fp8_weight_only",
+    "fp8_per_tensor",
+    "fp8_per_block",
+    "mxfp8",
+    "mxfp4",
+    "nvfp4_weight_only",
+)
 KEYS = {**{name: (key, None) for name, (_, key) in cpu_decode.FORMATS.items()}, **{n: SHORTHANDS[n] for n in ONE_CALL}}
 
 
