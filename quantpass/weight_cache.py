@@ -338,11 +338,10 @@ def _restore_before_another_backend(ctx) -> None:
     state, as torch 2.13 keeps it; where that is not there, nothing happens (`tests/test_weights.py`
     checks that it is)."""
     try:
-        backend = innermost_backend(InstructionTranslator.current_tx().output.compiler_fn)
+        backend = _given_backend(InstructionTranslator.current_tx().output.compiler_fn)
         module = ctx.get_local("module")._i_will_not_complain_if_bc_breaks_VariableTracker().value
     except (AttributeError, KeyError):
         return
-    backend = getattr(backend, "compiler_fn", backend)
     if isinstance(module, torch.nn.Module) and not _is_quantpass(backend):
         _restore_released(_own_weights(module), module, f"traced for backend {_backend_name(backend)}")
 
@@ -372,9 +371,14 @@ def _backend_of(wrapper: OptimizedModule):
     torch 2.13 keeps it), or None where it is not there (`tests/test_weights.py` checks that each way of
     compiling with quantpass is recognised)."""
     try:
-        backend = innermost_backend(wrapper.dynamo_ctx.callback)
+        return _given_backend(wrapper.dynamo_ctx.callback)
     except AttributeError:
         return None
+
+
+def _given_backend(callback):
+    """The backend given to torch.compile, under Dynamo's wrappers of it (`callback`: one of them)."""
+    backend = innermost_backend(callback)
     return getattr(backend, "compiler_fn", backend)  # torch.compile's wrapper of a backend given options
 
 
