@@ -16,10 +16,10 @@ quantpass's FP4 kernel (cpu_fp4.py) and every FP8 format on its FP8 kernel (cpu_
 Every weight has one prepared copy: ours is the quantized weight itself; aten's replaces it, and the
 large-M path dequantizes per call. A compiled graph calls `quantpass::linear_cpu_cxx` (C++,
 cpu_op.py) or, where that can't be built, `quantpass::linear_cpu` (`graph_linear_op`): both go
-straight to our kernel when they can. `fused_moe` runs a weight-only MoE layer (INT8, INT4, FP8, MXFP4,
-NVFP4) in one C call (`_moe_on_our_kernels`; graphs call `quantpass::fused_moe_cpu_cxx`, C++ for INT8 and
-INT4, or `quantpass::fused_moe_cpu`, `graph_moe_op`) and anything else as the reference's per-expert
-loop with these kernels per expert.
+straight to our kernel when they can. `fused_moe` runs a MoE layer (weight-only, INT8/FP8/MXFP8 W8A8)
+in one C call (`_moe_on_our_kernels`, `cpu_avx2.moe_layer` with each kernel library's `moe_experts`;
+graphs call `quantpass::fused_moe_cpu_cxx`, C++ for INT8 and INT4, or `quantpass::fused_moe_cpu`,
+`graph_moe_op`) and anything else as the reference's per-expert loop with these kernels per expert.
 aten's INT4 layout is read back in cpu_aten_int4.py. Measurements: bench/README.md ("CPU decode at the
 bandwidth limit", "MoE at decode", "Results: CPU").
 """
@@ -32,9 +32,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from ..moe_problem import ACTIVATIONS as MOE_ACTIVATIONS
-from ..moe_problem import GATE_UP_LAYOUTS, GateUpLayout, MoEProblem
-from ..quant_registry.formats import AMAX_EPS, dequantize, unpack_int4
+from ..moe_problem import GateUpLayout, MoEProblem
+from ..quant_registry.formats import dequantize, unpack_int4
 from ..quant_registry.keys import KEYS, kInt4StaticGroup128Sym, kInt8DynamicTokenSym, kInt8StaticChannelSym
 from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
@@ -223,51 +222,22 @@ def _moe_on_our_kernels(
     decode"). The loop's result up to the gated activation's exp, erf or tanh, which may round
     differently from torch's in the last bit. `activation_key`: its string ("" for none); a static
     one's scales in `input_scales` (w13's, w2's)."""
-    experts = _moe_experts(
+    found = _moe_experts(
         weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation_key, input_scales
     )
-    if experts is None:
+    if found is None:
         return None
-    entry, weights, most, _held = experts  # `weights` points into `_held`'s tensors: held through the call
-    types = cpu_avx2.DTYPES
-    htype, rtype = types.get(hidden.dtype), types.get(topk_weights.dtype)
-    btype = 0 if b13 is None else types.get(b13.dtype)
-    if (
-        htype is None
-        or rtype is None
-        or btype is None
-        or (b13 is None) != (b2 is None)
-        or (b2 is not None and b2.dtype != b13.dtype)
-        or hidden.dim() != 2
-        or hidden.shape[0] > most
-        or topk_ids.numel() != topk_weights.numel()
-        or topk_ids.numel() != hidden.shape[0] * topk_ids.shape[-1]
-        or (expert_map is not None and expert_map.dtype not in (torch.int32, torch.int64))
-        or not all(t is None or t.is_contiguous() for t in (b13, b2, expert_map))
-    ):
-        return None
-    hidden, topk_weights = hidden.contiguous(), topk_weights.contiguous()
-    topk_ids = topk_ids.to(torch.int64).contiguous()
-    out = torch.empty_like(hidden)
-    experts = w13_data.shape[0]
-    status = entry(
-        hidden.data_ptr(), htype, hidden.shape[0], hidden.shape[1], topk_ids.data_ptr(), topk_ids.shape[-1],
-        None if expert_map is None else expert_map.data_ptr(), 0 if expert_map is None else expert_map.element_size(),
-        0 if expert_map is None else expert_map.numel(), topk_weights.data_ptr(), rtype, bool(on_input), experts,
-        w13_data.shape[1] // 2, None if b13 is None else b13.data_ptr(), None if b2 is None else b2.data_ptr(), btype,
-        MOE_ACTIVATIONS.index(activation), GATE_UP_LAYOUTS.index(gate_up_layout), alpha, limit, out.data_ptr(),
-        torch.get_num_threads(), most, *weights,
+    entry, weights, _held, most = found  # `weights` points into `_held`'s tensors: held through the call
+    return cpu_avx2.moe_layer(
+        entry, weights, most, w13_data.shape[0], w13_data.shape[1] // 2, hidden, topk_weights, topk_ids, b13, b2,
+        expert_map, activation, gate_up_layout, on_input, alpha, limit,
     )  # fmt: skip
-    if status == -3:
-        raise IndexError(f"an expert id outside the expert map or [0, {experts}) in {topk_ids.tolist()}")
-    if status:
-        raise cpu_avx2.scratch_error(status)
-    return out
 
 
 def _moe_experts(weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation_key, scales):
-    """(the MoE entry for this format, its arguments after the layer's, the most rows per GEMM, tensors
-    the arguments point into) where our kernels run these stacked experts as they are, else None."""
+    """(the MoE entry for this format, its arguments after the layer's, tensors the arguments point into,
+    the most rows per GEMM): the kernel library's `moe_experts` where it runs these stacked experts as
+    they are, else None."""
     family = _FORMAT_KERNELS_BY_NAME.get(weight_key)
     if family is not None:
         (key, module), activation = family, KEYS.get(activation_key) if activation_key else None
@@ -276,23 +246,10 @@ def _moe_experts(weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale,
         found = module.moe_experts(
             key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation, scales
         )
-        return None if found is None else (found[0], found[1], module.MAX_M, found[2])
-    fast, lib = _FAST.get(weight_key), cpu_avx2.library()
-    if fast is None or lib is None:
-        return None
-    bits, mode, most, per_token_key = fast
-    per_token = bool(activation_key) and activation_key == per_token_key  # INT8 W8A8: rows quantized in C
-    tensors = (w13_data, w13_scale, w2_data, w2_scale)
-    if activation_key and not per_token:
-        return None
-    if not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
-        return None
-    if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
-        return None
-    kp13, kp2 = (w.shape[2] * (2 if bits == 4 else 1) for w in (w13_data, w2_data))
-    weights = (w13_data.data_ptr(), w13_scale.data_ptr(), kp13, w2_data.data_ptr(), w2_scale.data_ptr(), kp2, bits,
-               mode, per_token, AMAX_EPS)  # fmt: skip
-    return lib.qp_moe, weights, most, ()
+        return None if found is None else (*found, module.MAX_M)
+    fast = _FAST.get(weight_key)
+    found = None if fast is None else cpu_avx2.moe_experts(fast, activation_key, w13_data, w13_scale, w2_data, w2_scale)
+    return None if found is None else (*found, fast[2])
 
 
 def moe_in_one_call(weight, activation) -> bool:

@@ -34,6 +34,9 @@ from pathlib import Path
 import torch
 
 from .. import envs
+from ..moe_problem import ACTIVATIONS as MOE_ACTIVATIONS
+from ..moe_problem import GATE_UP_LAYOUTS
+from ..quant_registry.formats import AMAX_EPS
 
 logger = logging.getLogger("quantpass")
 
@@ -125,6 +128,74 @@ def run(lib, x, data, scale, bias, out, bits: int, mode: int, threads: int) -> t
         None if bias is None else bias.data_ptr(), 0 if bias is None else DTYPES[bias.dtype],
         out.data_ptr(), out.shape[-1], DTYPES[out.dtype], mode, threads,
     )  # fmt: skip
+    if status:
+        raise scratch_error(status)
+    return out
+
+
+def stacked(*tensors: torch.Tensor) -> bool:
+    """Whether these are per-expert stacks ([E, ...], 3-D) the kernels read as they are (contiguous)."""
+    return all(t.dim() == 3 and t.is_contiguous() for t in tensors)
+
+
+def moe_experts(fast, activation_key: str, w13_data, w13_scale, w2_data, w2_scale):
+    """(qp_moe, its arguments after the layer's, the tensors they point into) for a MoE layer's stacked
+    INT8/INT4 experts as the kernels read them (contiguous, fp32 scales), weight-only or with the
+    activation key `fast` names (INT8 W8A8: qp_moe quantizes each GEMM's rows per token first); None
+    where these kernels can't run them. `fast`: the weight key's row of the cpu backend's kernels' table
+    (bits, mode, most rows, the activation key quantized per token or "")."""
+    lib = library()
+    bits, mode, _, per_token_key = fast
+    if lib is None or (activation_key and activation_key != per_token_key):
+        return None
+    if not stacked(w13_data, w13_scale, w2_data, w2_scale):
+        return None
+    if w13_scale.dtype != torch.float32 or w2_scale.dtype != torch.float32:
+        return None
+    kp13, kp2 = (w.shape[2] * (2 if bits == 4 else 1) for w in (w13_data, w2_data))
+    args = (w13_data.data_ptr(), w13_scale.data_ptr(), kp13, w2_data.data_ptr(), w2_scale.data_ptr(), kp2, bits,
+            mode, bool(activation_key), AMAX_EPS)  # fmt: skip
+    return lib.qp_moe, args, ()
+
+
+def moe_layer(
+    entry, weights, most, experts, intermediate, hidden, topk_weights, topk_ids, b13, b2, expert_map, activation,
+    gate_up_layout, on_input, alpha, limit,
+) -> torch.Tensor | None:  # fmt: skip
+    """A MoE layer of `experts` local experts of `intermediate` (hidden [T, H] -> [T, H]) in one call of
+    a kernel library's MoE entry: `entry` with csrc/moe_layer.h's MOE_PARAMS from these arguments, then
+    `weights` (the format's, from its `moe_experts`), at most `most` rows per expert GEMM; None where the
+    layer's own arguments are ones the entry can't take (dtypes, shapes, T above `most`, non-contiguous
+    biases or expert map)."""
+    htype, rtype = DTYPES.get(hidden.dtype), DTYPES.get(topk_weights.dtype)
+    btype = 0 if b13 is None else DTYPES.get(b13.dtype)
+    if (
+        htype is None
+        or rtype is None
+        or btype is None
+        or (b13 is None) != (b2 is None)
+        or (b2 is not None and b2.dtype != b13.dtype)
+        or hidden.dim() != 2
+        or hidden.shape[0] > most
+        or topk_ids.numel() != topk_weights.numel()
+        or topk_ids.numel() != hidden.shape[0] * topk_ids.shape[-1]
+        or (expert_map is not None and expert_map.dtype not in (torch.int32, torch.int64))
+        or not all(t is None or t.is_contiguous() for t in (b13, b2, expert_map))
+    ):
+        return None
+    hidden, topk_weights = hidden.contiguous(), topk_weights.contiguous()
+    topk_ids = topk_ids.to(torch.int64).contiguous()
+    out = torch.empty_like(hidden)
+    status = entry(
+        hidden.data_ptr(), htype, hidden.shape[0], hidden.shape[1], topk_ids.data_ptr(), topk_ids.shape[-1],
+        None if expert_map is None else expert_map.data_ptr(), 0 if expert_map is None else expert_map.element_size(),
+        0 if expert_map is None else expert_map.numel(), topk_weights.data_ptr(), rtype, bool(on_input), experts,
+        intermediate, None if b13 is None else b13.data_ptr(), None if b2 is None else b2.data_ptr(), btype,
+        MOE_ACTIVATIONS.index(activation), GATE_UP_LAYOUTS.index(gate_up_layout), alpha, limit, out.data_ptr(),
+        torch.get_num_threads(), most, *weights,
+    )  # fmt: skip
+    if status == -3:
+        raise IndexError(f"an expert id outside the expert map or [0, {experts}) in {topk_ids.tolist()}")
     if status:
         raise scratch_error(status)
     return out

@@ -108,7 +108,7 @@ def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scal
     lib, ok, _ = _library()
     if not ok or key not in MODES or activation is not None:
         return None
-    if not all(t.dim() == 3 and t.is_contiguous() for t in (w13_data, w2_data)):
+    if not cpu_avx2.stacked(w13_data, w2_data):
         return None
     block, experts, args, keep = key.group_shape.col, w13_data.shape[0], [], []
     for data, scale, scale2 in ((w13_data, w13_scale, w13_scale2), (w2_data, w2_scale, w2_scale2)):

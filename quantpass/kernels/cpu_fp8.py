@@ -121,10 +121,9 @@ def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scal
     activation key in `MOE_ACTIVATIONS` (a static one: `input_scales`, w13's and w2's calibrated scales,
     `[]` or `[E]`); None where the kernel can't run them as they are (the per-expert loop runs them)."""
     lib, ok, _ = _library()
-    tensors = (w13_data, w13_scale, w2_data, w2_scale)
     if not ok or key not in MODES or activation not in MOE_ACTIVATIONS or activation not in MODES[key]:
         return None
-    if not all(t.dim() == 3 and t.is_contiguous() for t in tensors):
+    if not cpu_avx2.stacked(w13_data, w13_scale, w2_data, w2_scale):
         return None
     xq, xq_group = ACTS.get(activation, (0, 0))
     experts, args, keep = w13_data.shape[0], [], []
