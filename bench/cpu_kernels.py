@@ -4,6 +4,7 @@ CPU before them, side by side in one process. (Until 2026-12-01 evening this was
 
     python bench/cpu_kernels.py fp4                          # 1 thread, M = 1 .. 256
     python bench/cpu_kernels.py fp8 --threads 2 --ms 1 4 --rounds 9
+    python bench/cpu_kernels.py fp8 --tiles avx2 avx512-bf16 --ms 1 4   # the FP8 kernel's tiles side by side
 
 Method: 8 distinct 4096x4096 bf16 weights quantized once per format, used in rotation so every call
 reads its weight from DRAM (8 x 8.4-17 MiB > the 48 MiB L3 here); x bf16 [M, 4096]; one call per
@@ -50,6 +51,7 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--tiles", nargs="+", default=[], help="fp8: these tiles side by side (cpu_fp8.TILES)")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
     return parser.parse_args()
 
@@ -61,6 +63,7 @@ def main() -> None:
     ok, reason = kernel.available()
     if not ok:
         raise SystemExit(f"quantpass's {args.family} CPU kernel can't run here: {reason}")
+    tiles = args.tiles or [kernel.tiles() if hasattr(kernel, "tiles") else ""]
     rows = []
     for name, (weight_key, activation) in formats.items():
         gen = torch.Generator().manual_seed(0)
@@ -69,33 +72,45 @@ def main() -> None:
         for m in args.ms:
             x = torch.randn(m, SIZE, generator=gen).bfloat16()
             cases = {  # the reference on 2 of the weights: ~75 ms per call at M=1
-                "kernel": lambda x=x, ws=weights, a=activation: [kernel.linear(x, w, a) for w in ws],
-                "reference": lambda x=x, ws=weights[:2], a=activation: [reference.linear(x, w, a, None) for w in ws],
+                t: lambda x=x, ws=weights, a=activation, t=t: (
+                    [on_tiles(kernel, t)] + [kernel.linear(x, w, a) for w in ws]
+                )
+                for t in tiles
             }
+            cases["reference"] = lambda x=x, ws=weights[:2], a=activation: [reference.linear(x, w, a, None) for w in ws]
             runs = interleaved(cases, args.rounds)
-            per_call = ([t / LAYERS for t in runs["kernel"]], [t / 2 for t in runs["reference"]])
-            (k, k_lo, k_hi), (r, r_lo, r_hi) = ((statistics.median(t), min(t), max(t)) for t in per_call)
-            rows.append(
-                {"format": name, "M": m, "threads": args.threads, "kernel_ms": k * 1e3, "kernel_min_ms": k_lo * 1e3,
-                 "kernel_max_ms": k_hi * 1e3, "kernel_GBps": nbytes / k / 1e9, "reference_ms": r * 1e3,
-                 "reference_min_ms": r_lo * 1e3, "reference_max_ms": r_hi * 1e3, "reference_over_kernel": r / k}
-            )  # fmt: skip
-            print(f"{name} M={m}: kernel {k * 1e3:.2f} ms, reference {r * 1e3:.1f} ms", flush=True)
+            r_times = [t / 2 for t in runs["reference"]]
+            r, r_lo, r_hi = statistics.median(r_times), min(r_times), max(r_times)
+            for t in tiles:
+                times = [s / LAYERS for s in runs[t]]
+                k, k_lo, k_hi = statistics.median(times), min(times), max(times)
+                rows.append(
+                    {"format": name, "M": m, "threads": args.threads, "tiles": t, "kernel_ms": k * 1e3,
+                     "kernel_min_ms": k_lo * 1e3, "kernel_max_ms": k_hi * 1e3, "kernel_GBps": nbytes / k / 1e9,
+                     "reference_ms": r * 1e3, "reference_min_ms": r_lo * 1e3, "reference_max_ms": r_hi * 1e3,
+                     "reference_over_kernel": r / k}
+                )  # fmt: skip
+                print(f"{name} M={m} {t}: kernel {k * 1e3:.2f} ms, reference {r * 1e3:.1f} ms", flush=True)
     out = Path(args.out) / f"cpu_{args.family}.csv"
     write_csv(out, rows, {"date": utc_stamp(), "machine": platform.processor() or platform.machine()})
     print(f"\n{utc_stamp()}, {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
           f"`python bench/cpu_kernels.py {' '.join(sys.argv[1:])}`".rstrip())  # fmt: skip
     print(
-        f"\n| format | M | {args.family.upper()} kernel ms (spread) | GB/s | reference ms (spread) | reference / kernel |"
+        f"\n| format | M | tiles | {args.family.upper()} kernel ms (spread) | GB/s | reference ms (spread) | reference / kernel |"
     )
-    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
         print(
-            f"| {r['format']} | {r['M']} | {r['kernel_ms']:.2f} ({r['kernel_min_ms']:.2f}-{r['kernel_max_ms']:.2f}) | "
+            f"| {r['format']} | {r['M']} | {r['tiles']} | {r['kernel_ms']:.2f} ({r['kernel_min_ms']:.2f}-{r['kernel_max_ms']:.2f}) | "
             f"{r['kernel_GBps']:.1f} | {r['reference_ms']:.1f} ({r['reference_min_ms']:.1f}-{r['reference_max_ms']:.1f}) | "
             f"{r['reference_over_kernel']:.1f}x |"
         )
     print(f"\nCSV: {out}")
+
+
+def on_tiles(kernel, name: str) -> str:
+    """Switch `kernel` (a module with `tiles`) to tile set `name` ("" : leave it) before a case's calls."""
+    return kernel.tiles(name) if name else name
 
 
 if __name__ == "__main__":

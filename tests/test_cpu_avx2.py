@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_tiles import on_tiles
 
 from quantpass.kernels import cpu_avx2
 from quantpass.metrics import sqnr
@@ -34,21 +35,9 @@ PATHS = [pytest.param(4, tiles, id=f"int4-{tiles}") for tiles in cpu_avx2.INT4_T
 PATHS.append(pytest.param(8, None, id="int8"))
 
 
-@contextlib.contextmanager
 def int4_tiles(name):
     """The kernels on INT4 tile set `name` (None: leave them) for the block; skips where the CPU lacks it."""
-    if name is None:
-        yield
-        return
-    before = cpu_avx2.int4_tiles()
-    try:
-        cpu_avx2.int4_tiles(name)
-    except ValueError as error:
-        pytest.skip(str(error))
-    try:
-        yield
-    finally:
-        cpu_avx2.int4_tiles(before)
+    return on_tiles(cpu_avx2.int4_tiles, name)
 
 
 def weight(n, k, bits, seed=0):

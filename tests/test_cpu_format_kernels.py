@@ -1,12 +1,13 @@
 """What quantpass's two format-family CPU kernels (kernels/cpu_fp4.py: MXFP4, NVFP4; kernels/cpu_fp8.py:
 every FP8 format) share through the cpu backend (`cpu.FORMAT_KERNELS`): 1 vs 2 threads bit-equal for
-every pair each runs; the backend's routing (the kernel up to its MAX_M, the reference above, no
+every pair each runs (FP8 on each set of its tiles); the backend's routing (the kernel up to its MAX_M, the reference above, no
 prepared copy); and the oracle choosing them for a compiled model whose output matches the reference
 backend's. Each family's numerics: tests/test_cpu_fp4.py, tests/test_cpu_fp8.py."""
 
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_tiles import on_tiles
 
 import quantpass as qp
 from quantpass.kernels import cpu, cpu_fp4, cpu_fp8, reference
@@ -41,18 +42,27 @@ def operands(weight_key, activation, M, N, K, seed=0):
     return x, weight, torch.randn(N, generator=gen).bfloat16()
 
 
-@pytest.mark.parametrize("case", PAIRS, ids=pair_id)
-def test_one_and_two_threads_are_bit_equal(case):
+# each FP8 pair on each of the FP8 kernel's sets of tiles
+TILED = [
+    pytest.param(case, tiles, id=pair_id(case) + (f"-{tiles}" if tiles else ""))
+    for case in PAIRS
+    for tiles in (cpu_fp8.TILES if case[0] is cpu_fp8 else (None,))
+]
+
+
+@pytest.mark.parametrize(("case", "tiles"), TILED)
+def test_one_and_two_threads_are_bit_equal(case, tiles):
     module, weight_key, activation = case
     x, weight, bias = operands(weight_key, activation, 3, 1024, 1024)  # 2^20 weights: 2 threads (one below 2^18 each)
     threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = module.linear(x, weight, activation, bias)
-        torch.set_num_threads(2)
-        two = module.linear(x, weight, activation, bias)
-    finally:
-        torch.set_num_threads(threads)
+    with on_tiles(cpu_fp8.tiles, tiles):
+        try:
+            torch.set_num_threads(1)
+            one = module.linear(x, weight, activation, bias)
+            torch.set_num_threads(2)
+            two = module.linear(x, weight, activation, bias)
+        finally:
+            torch.set_num_threads(threads)
     assert torch.equal(one, two)
 
 

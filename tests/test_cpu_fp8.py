@@ -3,13 +3,15 @@ shapes, outputs poisoned with NaN before the call: weight-only against a float64
 the dequantized weight, for every FP8 weight layout (per tensor, per channel, 128x128 blocks, MXFP8)
 and every tail (K not a multiple of 16 bytes, N not a multiple of the tiles' rows, M across the
 activation-row tiles); W8A8 against the reference backend (the same quantized activations); every
-e4m3 byte decoded as torch decodes it; NaN and inf; argument errors. Threads, routing and compiled
-models: tests/test_cpu_format_kernels.py."""
+e4m3 byte decoded as torch decodes it; NaN and inf; argument errors; each on both sets of tiles (fp32
+on AVX2; bf16 on AVX-512 BF16, where the CPU has it), and which set a call takes. Threads, routing
+and compiled models: tests/test_cpu_format_kernels.py."""
 
 from dataclasses import replace
 
 import pytest
 import torch
+from kernel_tiles import on_tiles
 
 from quantpass.kernels import cpu_fp8, reference
 from quantpass.metrics import sqnr
@@ -17,6 +19,14 @@ from quantpass.quant_registry import formats, keys
 from quantpass.quant_registry.qtensor import QTensor
 
 pytestmark = pytest.mark.skipif(not cpu_fp8.available()[0], reason=f"FP8 CPU kernel: {cpu_fp8.available()[1]}")
+
+
+@pytest.fixture(autouse=True, params=cpu_fp8.TILES)
+def tiles(request):
+    """Every test on each set of tiles (skipped where the CPU lacks it)."""
+    with on_tiles(cpu_fp8.tiles, request.param):
+        yield request.param
+
 
 WEIGHTS = list(cpu_fp8.MODES)
 PAIRS = [(w, a) for w, acts in cpu_fp8.MODES.items() for a in acts if a is not None]
@@ -163,3 +173,32 @@ def test_bad_arguments_name_what_is_wrong():
         cpu_fp8.linear(x, replace(weight, scale=weight.scale[:8]))
     with pytest.raises(ValueError, match="out must be contiguous"):
         cpu_fp8.linear(x, weight, out=torch.empty(2, 15))
+
+
+def test_which_tiles_a_call_takes(tiles):
+    """The bf16 tiles run a call whose activations are all bf16 values that dpbf16ps reads as they are
+    (bf16 activations as given; FP8-quantized ones as codes with their scales, unless a code times its
+    scale overflows); any other call runs on the fp32 tiles, bit for bit as with those chosen."""
+    if tiles != "avx512-bf16":
+        pytest.skip("about the bf16 tiles")
+    x, weight, _ = operands(keys.kFp8Static128BlockSym, 3, 40, 1024, dtype=torch.float32)
+    subnormal = x.bfloat16().float()
+    subnormal[1, 3] = 2.0**-130  # a bf16 value, but subnormal: dpbf16ps would read it as zero
+    mx_inf = x.clone()
+    mx_inf[2, 9] = float("inf")  # MXFP8's block scale 2^127: 448 x 2^127 overflows
+    mx_weight = formats.quantize(torch.randn(40, 1024), keys.kMxfp8Static)
+    fp32_tiles = [(x, weight, None), (subnormal, weight, None), (mx_inf, mx_weight, keys.kMxfp8Dynamic)]
+    bf16_tiles = [(x.bfloat16(), weight, None), (x, weight, keys.kFp8Dynamic128Sym)]
+    for i, case in enumerate(fp32_tiles + bf16_tiles):
+        got = cpu_fp8.linear(*case, out=poisoned(3, 40))  # fp32 out: the sums as they are
+        with on_tiles(cpu_fp8.tiles, "avx2"):
+            want = cpu_fp8.linear(*case, out=poisoned(3, 40))
+        assert torch.equal(got.isnan(), want.isnan())
+        # the same products; on the bf16 tiles summed in another order (so some outputs differ)
+        assert torch.equal(got.nan_to_num(), want.nan_to_num()) == (i < len(fp32_tiles))
+        assert sqnr(want.nan_to_num().double(), got.nan_to_num().double()) >= 120
+
+
+def test_bad_tiles_are_named():
+    with pytest.raises(ValueError, match=r"invalid FP8 tiles 'avx512'; valid: avx2, avx512-bf16"):
+        cpu_fp8.tiles("avx512")

@@ -212,12 +212,18 @@ def int4_tiles(name: str | None = None) -> str:
     lib = library()
     if lib is None:
         raise RuntimeError(f"quantpass's CPU kernels can't run: {available()[1]}")
+    return switch_tiles(lib.qp_int4_vnni, INT4_TILES, name, "INT4", "AVX-512 BW, VL or VNNI")
+
+
+def switch_tiles(entry, names: tuple[str, ...], name: str | None, what: str, lacks: str) -> str:
+    """The tiles a kernel library uses, one of `names`, switched to `name` first if given; `entry` is its C
+    switch (index or -1 -> the index in use); `what` and `lacks` ("AVX-512 BF16") for errors."""
     if name is not None:
-        if name not in INT4_TILES:
-            raise ValueError(f"invalid INT4 tiles {name!r}; valid: {', '.join(INT4_TILES)}")
-        if INT4_TILES[lib.qp_int4_vnni(INT4_TILES.index(name))] != name:
-            raise ValueError(f"this CPU can't run the {name} tiles (it lacks AVX-512 BW, VL or VNNI)")
-    return INT4_TILES[lib.qp_int4_vnni(-1)]
+        if name not in names:
+            raise ValueError(f"invalid {what} tiles {name!r}; valid: {', '.join(names)}")
+        if names[entry(names.index(name))] != name:
+            raise ValueError(f"this CPU can't run the {name} tiles (it lacks {lacks})")
+    return names[entry(-1)]
 
 
 def library():
