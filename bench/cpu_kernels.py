@@ -4,7 +4,7 @@ CPU before them, side by side in one process. (Until 2026-12-01 evening this was
 
     python bench/cpu_kernels.py fp4                          # 1 thread, M = 1 .. 256
     python bench/cpu_kernels.py fp8 --threads 2 --ms 1 4 --rounds 9
-    python bench/cpu_kernels.py fp8 --tiles avx2 avx512-bf16 --ms 1 4   # the FP8 kernel's tiles side by side
+    python bench/cpu_kernels.py fp8 --tiles avx2 avx512-bf16 --ms 1 4   # a kernel's tiles side by side
 
 Method: 8 distinct 4096x4096 bf16 weights quantized once per format, used in rotation so every call
 reads its weight from DRAM (8 x 8.4-17 MiB > the 48 MiB L3 here); x bf16 [M, 4096]; one call per
@@ -51,7 +51,7 @@ def parse_args():
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--tiles", nargs="+", default=[], help="fp8: these tiles side by side (cpu_fp8.TILES)")
+    parser.add_argument("--tiles", nargs="+", default=[], help="these tiles side by side (the kernel module's TILES)")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
     return parser.parse_args()
 

@@ -1,6 +1,6 @@
 """What quantpass's two format-family CPU kernels (kernels/cpu_fp4.py: MXFP4, NVFP4; kernels/cpu_fp8.py:
 every FP8 format) share through the cpu backend (`cpu.FORMAT_KERNELS`): 1 vs 2 threads bit-equal for
-every pair each runs (FP8 on each set of its tiles); the backend's routing (the kernel up to its MAX_M, the reference above, no
+every pair each runs, on each set of its kernel's tiles; the backend's routing (the kernel up to its MAX_M, the reference above, no
 prepared copy); and the oracle choosing them for a compiled model whose output matches the reference
 backend's. Each family's numerics: tests/test_cpu_fp4.py, tests/test_cpu_fp8.py."""
 
@@ -42,12 +42,8 @@ def operands(weight_key, activation, M, N, K, seed=0):
     return x, weight, torch.randn(N, generator=gen).bfloat16()
 
 
-# each FP8 pair on each of the FP8 kernel's sets of tiles
-TILED = [
-    pytest.param(case, tiles, id=pair_id(case) + (f"-{tiles}" if tiles else ""))
-    for case in PAIRS
-    for tiles in (cpu_fp8.TILES if case[0] is cpu_fp8 else (None,))
-]
+# each pair on each of its kernel's sets of tiles
+TILED = [pytest.param(case, tiles, id=f"{pair_id(case)}-{tiles}") for case in PAIRS for tiles in case[0].TILES]
 
 
 @pytest.mark.parametrize(("case", "tiles"), TILED)
@@ -55,7 +51,7 @@ def test_one_and_two_threads_are_bit_equal(case, tiles):
     module, weight_key, activation = case
     x, weight, bias = operands(weight_key, activation, 3, 1024, 1024)  # 2^20 weights: 2 threads (one below 2^18 each)
     threads = torch.get_num_threads()
-    with on_tiles(cpu_fp8.tiles, tiles):
+    with on_tiles(module.tiles, tiles):
         try:
             torch.set_num_threads(1)
             one = module.linear(x, weight, activation, bias)

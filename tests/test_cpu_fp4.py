@@ -3,11 +3,13 @@ on odd shapes, outputs poisoned with NaN before the call: W4A4 against the refer
 quantized activations: fp32 rounding apart); weight-only against an independent float64 computation of
 what it defines (x quantized to int8 per block, then exact products), and against the reference's exact
 activations with the accuracy it states; every tail (K not a multiple of 64 codes, N not a multiple of
-the tiles' rows, M across the activation-row tiles); NaN rows; argument errors. Threads, routing and
-compiled models: tests/test_cpu_format_kernels.py."""
+the tiles' rows, M across the activation-row tiles); NaN rows; argument errors; each on both sets of
+tiles (AVX2; AVX-512 VNNI where the CPU has it). Threads, routing and compiled models:
+tests/test_cpu_format_kernels.py."""
 
 import pytest
 import torch
+from kernel_tiles import on_tiles
 
 from quantpass.kernels import cpu_fp4, reference
 from quantpass.metrics import sqnr
@@ -16,8 +18,16 @@ from quantpass.quant_registry import formats, keys
 pytestmark = pytest.mark.skipif(not cpu_fp4.available()[0], reason=f"FP4 CPU kernel: {cpu_fp4.available()[1]}")
 
 WEIGHT_ONLY = [keys.kMxfp4Static, keys.kNvfp4Static]
-# (M, N, K): K with a partial last chunk of 64 codes (48, 80, 1040, 96), N not a multiple of 4 or 16
-SHAPES = [(1, 37, 48), (2, 16, 80), (3, 33, 1040), (4, 20, 96), (5, 7, 64), (9, 64, 4096), (17, 3, 160)]
+# (M, N, K): K with a partial last chunk of 64 codes (48, 80, 1040, 96, 160), an odd number of full
+# chunks (64, 192: the VNNI tiles take chunks in pairs), N not a multiple of 4 or 16
+SHAPES = [(1, 37, 48), (2, 16, 80), (3, 33, 1040), (4, 20, 96), (5, 7, 64), (6, 24, 192), (9, 64, 4096), (17, 3, 160)]
+
+
+@pytest.fixture(autouse=True, params=cpu_fp4.TILES)
+def tiles(request):
+    """Every test on each set of tiles (skipped where the CPU lacks it)."""
+    with on_tiles(cpu_fp4.tiles, request.param):
+        yield request.param
 
 
 def operands(key, M, N, K, dtype=torch.bfloat16, seed=0):
@@ -107,3 +117,17 @@ def test_bad_arguments_name_what_is_wrong():
         cpu_fp4.linear(torch.randn(2, 96), weight)
     with pytest.raises(ValueError, match="out must be contiguous"):
         cpu_fp4.linear(x, weight, out=torch.empty(2, 15))
+
+
+def test_tile_sets_agree_and_bad_names_are_named():
+    """Both sets form the same integer sums per lane; only their fp32 sums (8 vs 16 lanes) round
+    differently."""
+    with pytest.raises(ValueError, match=r"invalid FP4 tiles 'avx512'; valid: avx2, avx512-vnni"):
+        cpu_fp4.tiles("avx512")
+    for key in WEIGHT_ONLY:
+        x, weight, bias = operands(key, 3, 40, 1040)
+        outs = []
+        for name in cpu_fp4.TILES:
+            with on_tiles(cpu_fp4.tiles, name):
+                outs.append(cpu_fp4.linear(x, weight, None, bias, out=poisoned(3, 40, torch.float32)))
+        assert sqnr(outs[0].double(), outs[1].double()) >= 120  # fp32 rounding only

@@ -215,6 +215,15 @@ def int4_tiles(name: str | None = None) -> str:
     return switch_tiles(lib.qp_int4_vnni, INT4_TILES, name, "INT4", "AVX-512 BW, VL or VNNI")
 
 
+def format_tiles(library, entry: str, names: tuple[str, ...], name: str | None, what: str, lacks: str) -> str:
+    """`switch_tiles` for a format family's kernel library (`format_kernel`'s loader `library`, C switch
+    `entry`): raises where the kernel can't run."""
+    lib, ok, reason = library()
+    if not ok:
+        raise RuntimeError(f"quantpass's {what} CPU kernel can't run: {reason}")
+    return switch_tiles(getattr(lib, entry), names, name, what, lacks)
+
+
 def switch_tiles(entry, names: tuple[str, ...], name: str | None, what: str, lacks: str) -> str:
     """The tiles a kernel library uses, one of `names`, switched to `name` first if given; `entry` is its C
     switch (index or -1 -> the index in use); `what` and `lacks` ("AVX-512 BF16") for errors."""
@@ -280,7 +289,7 @@ def format_kernel(source: Path, signatures: dict[str, tuple], name: str):
         for function, argtypes in signatures.items():
             entry = getattr(lib, function)
             entry.argtypes, entry.restype = argtypes, ctypes.c_int
-        return lib, True, f"quantpass's AVX2 {name} kernel ({reason})"
+        return lib, True, f"quantpass's {name} CPU kernel ({reason})"
 
     return library
 

@@ -14,8 +14,9 @@ Activations, per weight-activation pair (`MODES`):
   dynamic key (the reference's activation quantization; tested), then exact integer products of the
   two sets of e2m1 codes. In C rather than torch: `quantize`'s full-size fp32 temporaries landed in
   the heap's holes on every call and stayed resident (bench/README.md, "Memory").
-Above `MAX_M` rows the `reference` backend runs the call (dequantize + matmul beats a kernel that
-re-reads its activations per weight row there).
+Where the CPU has AVX-512 VNNI, 512-bit tiles form the same integer sums (`tiles`, TILES; 1.35-1.65x
+faster at M <= 16 on Zen 4). Above `MAX_M` rows the `reference` backend runs the call (dequantize +
+matmul beats a kernel that re-reads its activations per weight row there).
 """
 
 from __future__ import annotations
@@ -43,7 +44,12 @@ P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ACTS = {None: 0, kNvfp4Dynamic: 1}  # csrc's INT8_BLOCKS, NVFP4
 _ARGS = (P, I64, I32, I64, I64, I32, P, F32, P, P, P, I32, I64, I64, F32, P, I32, P, I64, I32, I32)  # qp_linear_fp4
 _MOE_ARGS = (*cpu_avx2.MOE_LAYER_ARGS, P, P, I64, P, P, P, I64, P, I32, P)  # qp_moe_fp4's
-_library = cpu_avx2.format_kernel(SOURCE, {"qp_linear_fp4": _ARGS, "qp_moe_fp4": _MOE_ARGS}, "FP4")
+_library = cpu_avx2.format_kernel(
+    SOURCE, {"qp_linear_fp4": _ARGS, "qp_moe_fp4": _MOE_ARGS, "qp_fp4_tiles": (ctypes.c_int,)}, "FP4"
+)
+# the kernel's tiles (csrc's qp_fp4_tiles 0, 1): AVX2, or AVX-512 VNNI where the CPU has it (the same
+# integer sums; measured faster on Zen 4: bench/README.md, "VNNI tiles for FP4")
+TILES = ("avx2", "avx512-vnni")
 
 
 def supports(weight, activation) -> tuple[bool, str]:
@@ -53,7 +59,16 @@ def supports(weight, activation) -> tuple[bool, str]:
     ok, reason = available()
     if not ok:
         return False, f"quantpass's FP4 CPU kernel can't run: {reason}"
-    return True, f"e2m1 x {modes[activation]} on quantpass's AVX2 FP4 kernel for M <= {MAX_M}, reference above"
+    return (
+        True,
+        f"e2m1 x {modes[activation]} on quantpass's FP4 kernel ({tiles()} tiles) for M <= {MAX_M}, reference above",
+    )
+
+
+def tiles(name: str | None = None) -> str:
+    """The tiles the kernel uses (one of TILES); with `name`, switch to those first ("avx512-vnni" only on a
+    CPU with AVX-512 VNNI). Their integer sums are the same; the order of their fp32 sums differs."""
+    return cpu_avx2.format_tiles(_library, "qp_fp4_tiles", TILES, name, "FP4", "AVX-512 F, BW, VL or VNNI")
 
 
 def available() -> tuple[bool, str]:

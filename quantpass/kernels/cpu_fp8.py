@@ -127,10 +127,7 @@ def tiles(name: str | None = None) -> str:
     """The tiles the kernel uses where a call's activations allow (one of TILES); with `name`, switch to
     those first ("avx512-bf16" only on a CPU with AVX-512 BF16). Their products are the same; the order
     of their fp32 sums differs."""
-    lib, ok, reason = _library()
-    if not ok:
-        raise RuntimeError(f"quantpass's FP8 CPU kernel can't run: {reason}")
-    return cpu_avx2.switch_tiles(lib.qp_fp8_tiles, TILES, name, "FP8", "AVX-512 F, BW, VL or BF16")
+    return cpu_avx2.format_tiles(_library, "qp_fp8_tiles", TILES, name, "FP8", "AVX-512 F, BW, VL or BF16")
 
 
 def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation=None, input_scales=()):

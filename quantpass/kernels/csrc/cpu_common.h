@@ -84,6 +84,15 @@ static uint8_t *scratch_in(uint8_t **slot, size_t bytes, int *fresh) {
 
 static uint8_t *scratch(size_t bytes, int *fresh) { return scratch_in(&kept, bytes, fresh); }
 
+/* A kernel's switch between its AVX2 tiles (0) and its AVX-512 ones (1, only where the CPU `can` run them):
+ * `*chosen` starts at -1 (then: the AVX-512 ones where it can); want 0 or 1 chooses, -1 just asks.
+ * Returns the tiles in use after the call. */
+static inline int choose_tiles(int *chosen, int want, int can) {
+  if (*chosen < 0) *chosen = can;
+  if (want == 0 || want == 1) *chosen = want && can;
+  return *chosen;
+}
+
 /* Tiled kernels (linear_fp4.c, linear_fp8.c): a tile multiplies weight rows r0 .. r0 + R - 1 by activation rows
  * m0 .. m0 + MB - 1 (MB <= MB_MAX) into res[m * R + r]; `tile_rows` runs them over a range of weight rows and
  * writes each result r as out[m * ldo + n] = r * g + bias[n] (`outputs`, the first member of the kernel's

@@ -421,17 +421,12 @@ static void rows(const void *arg, int64_t n0, int64_t n1) {
   }
 }
 
-/* Which INT4 x int8 tiles run: 0 the AVX2 ones, 1 the AVX-512 VNNI ones (only where the CPU has them). */
-static int use_vnni = 0;
-
-/* want 0 or 1: choose those tiles (1 only on a CPU with AVX-512 BW, VL and VNNI); -1: just ask. Returns
- * the tiles in use after the call. */
+/* Which INT4 x int8 tiles run: 0 the AVX2 ones, 1 the VNNI ones (`choose_tiles`; only on a CPU with AVX-512
+ * F, BW, VL and VNNI). */
+static int use_vnni = -1;
 int qp_int4_vnni(int want) {
-  if (want == 0) use_vnni = 0;
-  if (want == 1 && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512vnni"))
-    use_vnni = 1;
-  return use_vnni;
+  return choose_tiles(&use_vnni, want, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"));
 }
 
 /* Bytes of scratch a call needs: fp32 rows [M][kpad] (EXACT), or integer rows [M][l.stride] then the one
@@ -450,7 +445,7 @@ int qp_linear(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const
   if (mode != EXACT && mode != (bits == 4 ? INT8 : INT16)) return -2;
   problem p = {.M = M, .N = N, .K = K, .row_bytes = bits == 4 ? kp / 2 : kp, .ldo = ldo, .bits = bits,
                .mode = mode, .otype = otype, .btype = btype, .w = w, .s = s, .bias = bias,
-               .out = out, .vnni = use_vnni};
+               .out = out, .vnni = qp_int4_vnni(-1)};
   p.kpad = padded_k(kp, bits, p.mode);
   p.l = layout(p.kpad, p.mode);
   int fresh;

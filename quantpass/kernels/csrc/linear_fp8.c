@@ -286,17 +286,12 @@ static const mb_tile_fn WIDE_BF16[MB_MAX] = {tile_bf16_4_1, tile_bf16_2_2, tile_
 
 static void rows_bf16(const void *p, int64_t n0, int64_t n1) { tile_rows(p, WIDE_BF16, ONE_BF16, WIDE_ROWS, n0, n1); }
 
-/* Which tiles run where they can: 0 the fp32 (AVX2) ones, 1 the bf16 ones (only on a CPU with AVX-512 BF16). */
-static int use_bf16 = -1; /* -1: not chosen yet (the bf16 ones where the CPU has them) */
-
-/* want 0 or 1: choose those tiles (1 only on a CPU with AVX-512 F, BW, VL and BF16); -1: just ask. Returns
- * the tiles in use after the call. */
+/* Which tiles run where a call allows: 0 the fp32 (AVX2) ones, 1 the bf16 ones (`choose_tiles`; only on a
+ * CPU with AVX-512 F, BW, VL and BF16). */
+static int use_bf16 = -1;
 int qp_fp8_tiles(int want) {
-  const int can = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16");
-  if (use_bf16 < 0) use_bf16 = can;
-  if (want == 0 || want == 1) use_bf16 = want && can;
-  return use_bf16;
+  return choose_tiles(&use_bf16, want, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"));
 }
 
 /* x's fp32 rows [M, xcols] -> bf16 rows [M, bcols] (zero past xcols); 1 if every value was a bf16 value
