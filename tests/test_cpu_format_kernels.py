@@ -1,8 +1,9 @@
 """What quantpass's two format-family CPU kernels (kernels/cpu_fp4.py: MXFP4, NVFP4; kernels/cpu_fp8.py:
 every FP8 format) share through the cpu backend (`cpu.FORMAT_KERNELS`): 1 vs 2 threads bit-equal for
-every pair each runs, on each set of its kernel's tiles; the backend's routing (the kernel up to its MAX_M, the reference above, no
-prepared copy); and the oracle choosing them for a compiled model whose output matches the reference
-backend's. Each family's numerics: tests/test_cpu_fp4.py, tests/test_cpu_fp8.py."""
+every pair each runs, on each set of its kernel's tiles; the backend's routing (the kernel up to its
+MAX_M, the reference above, no prepared copy); and the oracle choosing them for a compiled model whose
+output matches the reference backend's. Each family's numerics: tests/test_cpu_fp4.py,
+tests/test_cpu_fp8.py."""
 
 import pytest
 import torch
