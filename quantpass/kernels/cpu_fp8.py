@@ -127,7 +127,8 @@ def tiles(name: str | None = None) -> str:
     """The tiles the kernel uses where a call's activations allow (one of TILES); with `name`, switch to
     those first ("avx512-bf16" only on a CPU with AVX-512 BF16). Their products are the same; the order
     of their fp32 sums differs."""
-    return cpu_avx2.format_tiles(_library, "qp_fp8_tiles", TILES, name, "FP8", "AVX-512 F, BW, VL or BF16")
+    lacks = "AVX-512 F, BW, VL or BF16, or the C compiler that built the kernel lacks them"
+    return cpu_avx2.format_tiles(_library, "qp_fp8_tiles", TILES, name, "FP8", lacks)
 
 
 def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation=None, input_scales=()):

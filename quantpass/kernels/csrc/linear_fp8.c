@@ -209,9 +209,10 @@ static const int WIDE_ROWS[MB_MAX] = {4, 2, 1, 1};
 
 static void rows(const void *p, int64_t n0, int64_t n1) { tile_rows(p, WIDE, ONE, WIDE_ROWS, n0, n1); }
 
-/* ---- AVX-512 BF16 tiles ---- */
-#define BF16_TILES __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
+/* ---- AVX-512 BF16 tiles (where the compiler has AVX-512 BF16's intrinsics: GCC 10, clang 9 on) ---- */
 #define BSTEP 32 /* weight bytes decoded at a time */
+#if (defined(_AVX512BF16INTRIN_H_INCLUDED) || defined(__AVX512BF16INTRIN_H)) && !defined(QP_NO_BF16_TILES)
+#define BF16_TILES __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16")))
 
 /* The bf16 values of e4m3's subnormal codes by mantissa (0 .. 7, then unused), as `decode_bf16` looks them up. */
 static const uint16_t SUBNORMAL_BF16[32] = {0, 0x3B00, 0x3B80, 0x3BC0, 0x3C00, 0x3C20, 0x3C40, 0x3C60};
@@ -285,14 +286,18 @@ static const mb_tile_fn WIDE_BF16[MB_MAX] = {tile_bf16_4_1, tile_bf16_2_2, tile_
                         ONE_BF16[MB_MAX] = {tile_bf16_1_1, tile_bf16_1_2, tile_bf16_1_3, tile_bf16_1_4};
 
 static void rows_bf16(const void *p, int64_t n0, int64_t n1) { tile_rows(p, WIDE_BF16, ONE_BF16, WIDE_ROWS, n0, n1); }
+#define CAN_BF16                                                                                      \
+  (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && \
+   __builtin_cpu_supports("avx512bf16"))
+#else /* the fp32 tiles only */
+#define rows_bf16 rows
+#define CAN_BF16 0
+#endif
 
 /* Which tiles run where a call allows: 0 the fp32 (AVX2) ones, 1 the bf16 ones (`choose_tiles`; only on a
- * CPU with AVX-512 F, BW, VL and BF16). */
+ * CPU with AVX-512 F, BW, VL and BF16, built by a compiler that has them). */
 static int use_bf16 = -1;
-int qp_fp8_tiles(int want) {
-  return choose_tiles(&use_bf16, want, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512bf16"));
-}
+int qp_fp8_tiles(int want) { return choose_tiles(&use_bf16, want, CAN_BF16); }
 
 /* x's fp32 rows [M, xcols] -> bf16 rows [M, bcols] (zero past xcols); 1 if every value was a bf16 value
  * that dpbf16ps reads as it is (zero, normal, infinite or NaN: not subnormal), else 0. */
