@@ -1,5 +1,5 @@
 """Running a CPU kernel test on one of a kernel's tile sets (kernels/cpu_avx2.py `int4_tiles`,
-kernels/cpu_fp8.py `tiles`), skipped where this CPU lacks them."""
+kernels/cpu_fp4.py and kernels/cpu_fp8.py `tiles`), skipped where this CPU lacks them."""
 
 from __future__ import annotations
 

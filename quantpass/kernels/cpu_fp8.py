@@ -11,9 +11,9 @@ Activations are multiplied in fp32: weight-only as given, W8A8 as the activation
 MXFP8 activations itself, bit for bit as `reference.fake_quantize` does), so the two backends differ
 only in the order of fp32 sums. Where the CPU has AVX-512 BF16, bf16 activations and FP8-quantized
 ones (their codes, the scales applied to each weight group's sum) multiply on bf16 tiles instead
-(`tiles`, TILES; on Zen 4 1.3-1.6x faster at M = 1, 1.5-2.1x at M = 4 and 16, MXFP8 0.93-1.15x): the same
-exact products (W8A8: of the codes), other fp32 roundings. Above `MAX_M` rows the `reference` backend runs the call (one fp32
-GEMM on the dequantized weight is faster there). `moe_experts` hands a MoE layer's experts to the
+(`tiles`, TILES; on Zen 4 1.3-1.6x faster at M = 1, 1.5-2.1x at M = 4 and 16, MXFP8 0.93-1.15x):
+exact products again (W8A8: of the codes), other fp32 roundings. Above `MAX_M` rows the `reference`
+backend runs the call (one fp32 GEMM on the dequantized weight is faster there). `moe_experts` hands a MoE layer's experts to the
 kernel's one-call MoE entry (kernels/cpu.py, `_moe_on_our_kernels`)."""
 
 from __future__ import annotations
@@ -125,8 +125,8 @@ def linear(
 
 def tiles(name: str | None = None) -> str:
     """The tiles the kernel uses where a call's activations allow (one of TILES); with `name`, switch to
-    those first ("avx512-bf16" only on a CPU with AVX-512 BF16). Their products are the same; the order
-    of their fp32 sums differs."""
+    those first ("avx512-bf16" only on a CPU with AVX-512 BF16). Both multiply exactly; the bf16 ones
+    scale W8A8's sums rather than its activations, and their fp32 sums run in another order."""
     lacks = "AVX-512 F, BW, VL or BF16, or the C compiler that built the kernel lacks them"
     return cpu_avx2.format_tiles(_library, "qp_fp8_tiles", TILES, name, "FP8", lacks)
 
