@@ -129,7 +129,13 @@ def fast_problem(pair, tokens, local, bias, activation, layout, on_input, dtype,
 
 
 def loop(problem):
-    return reference.fused_moe(problem, expert_matmul=cpu._expert_matmul)
+    """The loop the cpu backend runs where a layer is not one C call (`cpu._per_expert_loop`)."""
+    return cpu._per_expert_loop(problem)
+
+
+# NVFP4 W4A4: its loop is the reference's dequantize + fp32 matmul, which rounds each product; the one
+# call's are exact integer ones
+REFERENCE_LOOP = [(keys.kNvfp4Static, keys.kNvfp4Dynamic)]
 
 
 def pair_id(pair) -> str:
@@ -149,11 +155,13 @@ def test_one_call_gives_the_loops_result(pair, case, monkeypatch):
     same but for the gated activation's exp/erf/tanh (moe_layer.h's, not torch's vectorized ones):
     measured 2026-12-02, bf16/fp16 outputs equal bit for bit, fp32 ones at >= 146 dB with >= 80% of them
     equal (FP8's products are exact fp32 ones, so a last-bit difference in the activation carries
-    through; the integer kernels' int8/int16 activations absorb most: >= 96% equal)."""
+    through; the integer kernels' int8/int16 activations absorb most: >= 96% equal). NVFP4 W4A4
+    against the reference's loop (`REFERENCE_LOOP`): bf16/fp16 equal, fp32 at 137.8-139.1 dB with 23-31%
+    equal."""
     with on_tiles(cpu_fp8.tiles, "avx2" if pair[0] in cpu_fp8.MODES else None):  # as the loop's W8A8 GEMMs
         want, got = one_call_and_loop(pair, case, monkeypatch)
-    equal = 0.75 if got.dtype == torch.float32 else 0.99
-    assert sqnr(want.float(), got.float()) >= 140 and (got == want).float().mean() >= equal
+    floor, equal = (140, 0.99) if got.dtype != torch.float32 else (130, 0.15) if pair in REFERENCE_LOOP else (140, 0.75)
+    assert sqnr(want.float(), got.float()) >= floor and (got == want).float().mean() >= equal
 
 
 def one_call_and_loop(pair, case, monkeypatch):

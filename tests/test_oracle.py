@@ -66,7 +66,7 @@ def choose(kind, spec, capability, problem=BIG, backend=None):
         ("linear", "mxfp4", CPU, BIG, FP4_ON_CPU),  # CPU_PRIORITY: then the reference, faster than native's decode
         ("linear", "mxfp4", CPU_INTERPRETER, BIG, FP4_ON_CPU),  # the interpreter is never picked on its own
         ("moe", "mxfp4", CPU, MOE, FP4_ON_CPU),
-        ("moe", "nvfp4", CPU, MOE, "reference"),  # the per-expert loop runs FP4 weight-only
+        ("moe", "nvfp4", CPU, MOE, FP4_ON_CPU),  # W4A4 in one C call (the reference's loop above its largest M)
         ("moe", "mxfp8", B200, MOE, "flashinfer"),
         ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, activation="swigluoai"), "triton"),
         ("moe", "mxfp8", B200, Problem(n=1536, k=4096, experts=64, topk=8, has_bias=True), "triton"),

@@ -37,13 +37,15 @@ MODES = {
     kMxfp4Static: {None: "int8 activations per 32"},
     kNvfp4Static: {None: "int8 activations per 16", kNvfp4Dynamic: "NVFP4 activations, exact integer products"},
 }
-MOE_ACTIVATIONS = (None,)  # a MoE layer in one call (`moe_experts`): weight-only; W4A4 runs the per-expert loop
+# a MoE layer in one call (`moe_experts`): weight-only, and NVFP4 W4A4 with one per-tensor scale over each
+# stage's routed rows, as the reference's loop quantizes them
+MOE_ACTIVATIONS = (None, kNvfp4Dynamic)
 MAX_M = 256  # the kernel 1.2-1.4x the reference at M=256 on a 4096x4096 weight, 2-2.6x at 128 (bench/README.md)
 EXACT = False  # weight-only activations are quantized to int8 per block
 P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ACTS = {None: 0, kNvfp4Dynamic: 1}  # csrc's INT8_BLOCKS, NVFP4
 _ARGS = (P, I64, I32, I64, I64, I32, P, F32, P, P, P, I32, I64, I64, F32, P, I32, P, I64, I32, I32)  # qp_linear_fp4
-_MOE_ARGS = (*cpu_avx2.MOE_LAYER_ARGS, P, P, I64, P, P, P, I64, P, I32, P)  # qp_moe_fp4's
+_MOE_ARGS = (*cpu_avx2.MOE_LAYER_ARGS, P, P, I64, P, P, P, I64, P, I32, P, I32, P, F32)  # qp_moe_fp4's
 _library = cpu_avx2.format_kernel(
     SOURCE, {"qp_linear_fp4": _ARGS, "qp_moe_fp4": _MOE_ARGS, "qp_fp4_tiles": (ctypes.c_int,)}, "FP4"
 )
@@ -117,11 +119,11 @@ def linear(
 
 def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation=None, input_scales=()):
     """(qp_moe_fp4, its arguments after the layer's, tensors they point into) for the stacked MXFP4 /
-    NVFP4 experts of a MoE layer, weight-only ([E, N, kp / 2] codes, [E, N, kp / block] scale bytes,
-    NVFP4's per-tensor scale per expert, as `formats.quantize` makes them, contiguous); None where the
-    kernel can't run them as they are (an activation key: the per-expert loop runs them)."""
+    NVFP4 experts of a MoE layer ([E, N, kp / 2] codes, [E, N, kp / block] scale bytes, NVFP4's per-tensor
+    scale per expert, as `formats.quantize` makes them, contiguous) with an activation key in
+    `MOE_ACTIVATIONS` that `MODES` pairs with the weight; None where the kernel can't run them as they are."""
     lib, ok, _ = _library()
-    if not ok or key not in MODES or activation is not None:
+    if not ok or activation not in MOE_ACTIVATIONS or activation not in MODES.get(key, ()):
         return None
     if not cpu_avx2.stacked(w13_data, w2_data):
         return None
@@ -137,7 +139,8 @@ def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scal
             g = (scale2.float().reshape(-1) / 2).contiguous()
             keep.append(g)
         args += [data.data_ptr(), scale.view(torch.uint8).data_ptr(), kp, None if g is None else g.data_ptr()]
-    return lib.qp_moe_fp4, (*args, block, scale_table(key.scale.dtype).data_ptr()), keep
+    table = scale_table(key.scale.dtype).data_ptr()
+    return lib.qp_moe_fp4, (*args, block, table, ACTS[activation], fp4_code_table().data_ptr(), AMAX_EPS), keep
 
 
 @functools.cache

@@ -62,7 +62,7 @@ MOE_CANDIDATES: dict[Pair, list[str]] = {
     (k.kMxfp8Static,           k.kMxfp8Dynamic):        ["flashinfer", "triton", "cpu", "reference"],
     (k.kMxfp4Static,           None):                   ["triton", "cpu", "reference"],
     (k.kMxfp4Static,           k.kMxfp8Dynamic):        ["triton", "reference"],
-    (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["reference"],
+    (k.kNvfp4Static,           k.kNvfp4Dynamic):        ["cpu", "reference"],
     (k.kInt8StaticChannelSym,  k.kInt8DynamicTokenSym): ["triton", "cpu", "reference"],
     (k.kFp8StaticChannelSym,   None):                   ["triton", "cpu", "reference"],
     (k.kInt8StaticChannelSym,  None):                   ["triton", "native", "cpu", "reference"],

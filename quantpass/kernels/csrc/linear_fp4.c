@@ -278,31 +278,37 @@ int64_t qp_fp4_scratch_bytes(int64_t M, int64_t kp) {
   return M * chunks * (2 * CHUNK + 64);
 }
 
-/* x [M, K] (row stride ldx elements, `xtype`) @ w.T -> out [M, N] (row stride ldo, `otype`) * g, + bias [N]
- * (`btype`; NULL: none). kp: the weights' columns (the data's columns x 2), a multiple of `block` (16 or
- * 32), K <= kp. `act`: INT8_BLOCKS, or NVFP4 (block 16) with `codes` (formats.py's 8192-entry e2m1 table)
- * and `eps` (its AMAX_EPS); an x with a NaN or infinity then gives NaN everywhere (its per-tensor scale).
- * Returns 0; -1 if the scratch could not be allocated; -2 for a block size other than 16 or 32, a kp that
- * is not a multiple of it, or NVFP4 activations on blocks of 32. */
-int qp_linear_fp4(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, int act, const uint8_t *codes,
-                  float eps, const uint8_t *w, const uint8_t *ws, const float *lut, int block, int64_t N, int64_t kp,
-                  float g, const void *bias, int btype, void *out, int64_t ldo, int otype, int threads) {
-  if ((block != 16 && block != 32) || kp % block || (act == NVFP4 && block != 16)) return -2;
+typedef struct { /* NVFP4 activations' per-tensor scale, and whether every value it was taken over is finite */
+  float scale2;
+  int finite;
+} tensor_scale;
+
+/* x [M, K]'s NVFP4 per-tensor scale: max|x| (at least eps) / (448 * 6), as torchao's. */
+static tensor_scale nvfp4_tensor_scale(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, float eps) {
+  float amax = 0.0f;
+  int finite = 1;
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t k = 0; k < K; k++) {
+      const float v = fabsf(to_f32((const uint8_t *)x + m * ldx * (xtype == F32 ? 4 : 2), xtype, k));
+      finite &= v <= 3.4028235e38f; /* false for NaN and inf */
+      amax = v > amax ? v : amax;
+    }
+  return (tensor_scale){(amax > eps ? amax : eps) / 2688.0f, finite};
+}
+
+/* qp_linear_fp4 with NVFP4 activations' per-tensor scale given (`ts`; unused for INT8_BLOCKS). */
+static int linear_fp4(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, int act, const uint8_t *codes,
+                      float eps, tensor_scale ts, const uint8_t *w, const uint8_t *ws, const float *lut, int block,
+                      int64_t N, int64_t kp, float g, const void *bias, int btype, void *out, int64_t ldo, int otype,
+                      int threads) {
+  if ((block != 16 && block != 32) || kp % block || (act == NVFP4 && (block != 16 || codes == NULL))) return -2;
   problem p = {.o = {.M = M, .ldo = ldo, .otype = otype, .btype = btype, .g = g, .bias = bias, .out = out},
                .N = N, .K = K, .kp = kp, .row_bytes = kp / 2, .chunks = (kp / 2 + CHUNK - 1) / CHUNK,
                .full_chunks = kp / 64, .blocks = kp / block, .block = block, .act = act, .eps = eps, .w = w,
                .ws = ws, .codes = codes, .lut = lut};
-  if (act == NVFP4) { /* x's per-tensor scale: max|x| (at least eps) / (448 * 6), as torchao's */
-    float amax = 0.0f;
-    int finite = 1;
-    for (int64_t m = 0; m < M; m++)
-      for (int64_t k = 0; k < K; k++) {
-        const float v = fabsf(to_f32((const uint8_t *)x + m * ldx * (xtype == F32 ? 4 : 2), xtype, k));
-        finite &= v <= 3.4028235e38f; /* false for NaN and inf */
-        amax = v > amax ? v : amax;
-      }
-    p.scale2 = (amax > eps ? amax : eps) / 2688.0f;
-    p.o.g = finite ? g * p.scale2 * 0.5f : NAN; /* x's codes are its e2m1 values x 2 too */
+  if (act == NVFP4) {
+    p.scale2 = ts.scale2;
+    p.o.g = ts.finite ? g * ts.scale2 * 0.5f : NAN; /* x's codes are its e2m1 values x 2 too */
   }
   p.act_stride = p.chunks * (2 * CHUNK + 64);
   const size_t bytes = (size_t)qp_fp4_scratch_bytes(M, kp);
@@ -317,28 +323,56 @@ int qp_linear_fp4(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, i
   return 0;
 }
 
-/* ---- a MoE layer (moe_layer.h) on this kernel, weight-only ---- */
+/* x [M, K] (row stride ldx elements, `xtype`) @ w.T -> out [M, N] (row stride ldo, `otype`) * g, + bias [N]
+ * (`btype`; NULL: none). kp: the weights' columns (the data's columns x 2), a multiple of `block` (16 or
+ * 32), K <= kp. `act`: INT8_BLOCKS, or NVFP4 (block 16) with `codes` (formats.py's 8192-entry e2m1 table)
+ * and `eps` (its AMAX_EPS); an x with a NaN or infinity then gives NaN everywhere (its per-tensor scale).
+ * Returns 0; -1 if the scratch could not be allocated; -2 for a block size other than 16 or 32, a kp that
+ * is not a multiple of it, or NVFP4 activations on blocks of 32 or without `codes`. */
+int qp_linear_fp4(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, int act, const uint8_t *codes,
+                  float eps, const uint8_t *w, const uint8_t *ws, const float *lut, int block, int64_t N, int64_t kp,
+                  float g, const void *bias, int btype, void *out, int64_t ldo, int otype, int threads) {
+  const tensor_scale ts = act == NVFP4 ? nvfp4_tensor_scale(x, ldx, xtype, M, K, eps) : (tensor_scale){0.0f, 1};
+  return linear_fp4(x, ldx, xtype, M, K, act, codes, eps, ts, w, ws, lut, block, N, kp, g, bias, btype, out, ldo,
+                    otype, threads);
+}
+
+/* ---- a MoE layer (moe_layer.h) on this kernel ---- */
 
 typedef struct { /* E experts' weights [E, N, kp / 2] and block scales [E, N, kp / block], as qp_linear_fp4 reads each */
   const uint8_t *w, *ws;
   const float *lut, *g; /* g: each expert's `g` (NULL: 0.5 for all) */
   int64_t kp;
-  int block;
+  int block, act;       /* act: INT8_BLOCKS, or NVFP4 with `codes`, `eps` and the stage's per-tensor scale */
+  const uint8_t *codes;
+  float eps;
+  tensor_scale *stage;  /* NVFP4: taken over every routed row of the stage (`fp4_rows`) */
 } fp4_experts;
+
+/* NVFP4 activations: one per-tensor scale over all of a stage's rows, as the reference's loop quantizes
+ * them; each expert GEMM then quantizes its rows' blocks with it. */
+static void fp4_rows(const void *weights, const float *x, int64_t R, int64_t K) {
+  const fp4_experts *q = weights;
+  if (q->act == NVFP4) *q->stage = nvfp4_tensor_scale(x, K, F32, R, K, q->eps);
+}
 
 static int fp4_expert(const void *weights, int64_t e, float *x, int64_t m, int64_t K, float *out, int64_t N,
                       int threads) {
   const fp4_experts *q = weights;
-  return qp_linear_fp4(x, K, F32, m, K, INT8_BLOCKS, NULL, 0.0f, q->w + e * N * (q->kp / 2),
-                       q->ws + e * N * (q->kp / q->block), q->lut, q->block, N, q->kp, q->g ? q->g[e] : 0.5f, NULL, 0,
-                       out, N, F32, threads);
+  return linear_fp4(x, K, F32, m, K, q->act, q->codes, q->eps, *q->stage, q->w + e * N * (q->kp / 2),
+                    q->ws + e * N * (q->kp / q->block), q->lut, q->block, N, q->kp, q->g ? q->g[e] : 0.5f, NULL, 0,
+                    out, N, F32, threads);
 }
 
 /* moe_layer on MXFP4 / NVFP4 experts: w13 [E, 2I, kp13 / 2] and w2 [E, H, kp2 / 2] codes, ws13 and ws2 their
  * scale bytes (blocks of `block`, decoded through `lut`), g13 and g2 each expert's `g` as qp_linear_fp4
- * takes it (NVFP4's per-tensor scale / 2) or NULL (0.5), contiguous; int8 activations per block. */
+ * takes it (NVFP4's per-tensor scale / 2) or NULL (0.5), contiguous. The rows as `xq` (qp_linear_fp4's
+ * `act`): int8 per block, or NVFP4 (with `codes` and `eps`) over each stage's routed rows (`fp4_rows`). */
 int qp_moe_fp4(MOE_PARAMS, const uint8_t *w13, const uint8_t *ws13, int64_t kp13, const float *g13,
-               const uint8_t *w2, const uint8_t *ws2, int64_t kp2, const float *g2, int block, const float *lut) {
-  const fp4_experts a = {w13, ws13, lut, g13, kp13, block}, b = {w2, ws2, lut, g2, kp2, block};
-  return moe_layer(MOE_ARGS, fp4_expert, NULL, &a, &b);
+               const uint8_t *w2, const uint8_t *ws2, int64_t kp2, const float *g2, int block, const float *lut,
+               int xq, const uint8_t *codes, float eps) {
+  tensor_scale s13 = {0.0f, 1}, s2 = {0.0f, 1};
+  const fp4_experts a = {w13, ws13, lut, g13, kp13, block, xq, codes, eps, &s13};
+  const fp4_experts b = {w2, ws2, lut, g2, kp2, block, xq, codes, eps, &s2};
+  return moe_layer(MOE_ARGS, fp4_expert, fp4_rows, &a, &b);
 }
