@@ -17,9 +17,9 @@ Every weight has one prepared copy: ours is the quantized weight itself; aten's 
 large-M path dequantizes per call. A compiled graph calls `quantpass::linear_cpu_cxx` (C++,
 cpu_op.py) or, where that can't be built, `quantpass::linear_cpu` (`graph_linear_op`): both go
 straight to our kernel when they can. `fused_moe` runs a MoE layer (weight-only, INT8/FP8/MXFP8 W8A8,
-NVFP4 W4A4) in one C call (`_moe_on_our_kernels`, `cpu_avx2.moe_layer` with each kernel library's `moe_experts`;
-graphs call `quantpass::fused_moe_cpu_cxx`, C++ for INT8 and INT4, or `quantpass::fused_moe_cpu`,
-`graph_moe_op`) and anything else as the reference's per-expert loop with these kernels per expert.
+NVFP4 W4A4) in one C call (`_moe_on_our_kernels`, `cpu_avx2.moe_layer` with each kernel library's
+`moe_experts`; graphs call `quantpass::fused_moe_cpu_cxx`, C++ for INT8 and INT4, or
+`quantpass::fused_moe_cpu`, `graph_moe_op`) and anything else as `_per_expert_loop`.
 aten's INT4 layout is read back in cpu_aten_int4.py. Measurements: bench/README.md ("CPU decode at the
 bandwidth limit", "MoE at decode", "Results: CPU").
 """
@@ -101,11 +101,9 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
             return family.supports(weight, activation)
         if activation in family.MOE_ACTIVATIONS:  # `_moe_on_our_kernels`, up to the kernel's largest M
             ok, reason = family.supports(weight, activation)
-            return (
-                ok,
-                f"one C call per layer for T <= {family.MAX_M} ({_loop_name(family, activation)} above): {reason}",
-            )
-        if activation is not None and not family.EXACT:
+            loop = "the reference's loop" if _requantizes(family, activation) else "per-expert loop"
+            return ok, f"one C call per layer for T <= {family.MAX_M} ({loop} above): {reason}"
+        if _requantizes(family, activation):
             return False, f"the per-expert loop runs {weight} weight-only; {activation} activations go to the reference"
         ok, reason = family.supports(weight, None)  # the loop quantizes the activations, as the reference's
         return ok, f"per-expert loop: {activation} activations by the loop, {reason}"
@@ -210,17 +208,16 @@ def fused_moe(problem: MoEProblem) -> torch.Tensor:
 
 def _per_expert_loop(problem: MoEProblem) -> torch.Tensor:
     """The loop where the layer is not one C call: `linear`'s kernels per expert, or the reference's own
-    dequantize + matmul where those kernels would quantize the loop's quantized activations again (FP4
-    W4A4: its weight-only kernel takes activations as int8 per block)."""
+    dequantize + matmul where those would quantize the loop's quantized activations again."""
     family = FORMAT_KERNELS.get(problem.w13.key)
-    if family is not None and problem.activation_key is not None and not family.EXACT:
+    if family is not None and _requantizes(family, problem.activation_key):
         return reference.fused_moe(problem)
     return reference.fused_moe(problem, expert_matmul=_expert_matmul)
 
 
-def _loop_name(family, activation) -> str:
-    """What `_per_expert_loop` runs for a family and activation key, in the oracle's words."""
-    return "the reference's loop" if activation is not None and not family.EXACT else "per-expert loop"
+def _requantizes(family, activation) -> bool:
+    """Whether the family's weight-only kernel would quantize a loop's quantized activations again (FP4's)."""
+    return activation is not None and not family.EXACT
 
 
 def _moe_on_our_kernels(
@@ -230,12 +227,12 @@ def _moe_on_our_kernels(
     """A MoE layer in one C call (hidden [T, H] -> [T, H]): csrc/moe_layer.h's steps of the loop with
     each expert's rows through its weights once, on the kernel every expert GEMM of the loop would run
     (INT8/INT4 weight-only and INT8 W8A8: qp_moe; FP8 weight-only or with the activation keys in
-    `cpu_fp8.MOE_ACTIVATIONS`: qp_moe_fp8; MXFP4, NVFP4 weight-only and W4A4: qp_moe_fp4), where the kernel reads
-    the weights as they are, T <= its largest M and the dtypes are ones it reads; else None. At decode
-    the loop's Python and torch calls per expert cost as much as the kernels (bench/README.md, "MoE at
-    decode"). The loop's result up to the gated activation's exp, erf or tanh, which may round
-    differently from torch's in the last bit. `activation_key`: its string ("" for none); a static
-    one's scales in `input_scales` (w13's, w2's)."""
+    `cpu_fp8.MOE_ACTIVATIONS`: qp_moe_fp8; MXFP4, NVFP4 weight-only and W4A4: qp_moe_fp4), where the
+    kernel reads the weights as they are, T <= its largest M and the dtypes are ones it reads; else
+    None. At decode the loop's Python and torch calls per expert cost as much as the kernels
+    (bench/README.md, "MoE at decode"). The loop's result up to the gated activation's exp, erf or tanh,
+    which may round differently from torch's in the last bit. `activation_key`: its string ("" for
+    none); a static one's scales in `input_scales` (w13's, w2's)."""
     found = _moe_experts(
         weight_key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation_key, input_scales
     )

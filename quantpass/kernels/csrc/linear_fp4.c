@@ -39,7 +39,6 @@
 enum { INT8_BLOCKS = 0, NVFP4 = 1 }; /* `act` */
 static const int8_t E2M1_X2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 #define OFFSET 12 /* the VNNI tiles' codes are E2M1_X2 + 12, unsigned */
-static const int8_t E2M1_X2_PLUS_12[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0};
 
 typedef struct {
   outputs o; /* g: the weight's per-tensor scale, with x's for NVFP4 activations */
@@ -199,7 +198,7 @@ static const int WIDE_ROWS[MB_MAX] = {4, 2, 2, 2};
 static void rows(const void *p, int64_t n0, int64_t n1) { tile_rows(p, WIDE, ONE, WIDE_ROWS, n0, n1); }
 
 /* ---- AVX-512 VNNI tiles: 64 weight bytes (128 codes) per step ----
- * The codes + 12 (unsigned, E2M1_X2_PLUS_12) through one _mm512_shuffle_epi8 each, _mm512_dpbusd_epi32
+ * The codes + 12 (unsigned: E2M1_X2 + OFFSET) through one _mm512_shuffle_epi8 each, _mm512_dpbusd_epi32
  * multiplies them by the int8 activations and adds 4 products per int32 lane, starting from the lane's
  * correction (-12 x the sum of its activation codes): the AVX2 tiles' integer lane sums exactly; then
  * the same conversion and FMA by weight scale x activation scale, on 16 lanes. A row's last odd or
@@ -220,7 +219,8 @@ INLINE VNNI __m512 lane_scales(const problem *p, const uint8_t *s, int64_t t) {
 }
 
 INLINE VNNI void tile_vnni(const problem *p, int64_t r0, int64_t m0, int R, int MB, float *res) {
-  const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_X2_PLUS_12));
+  const __m512i table = _mm512_add_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)E2M1_X2)),
+                                        _mm512_set1_epi8(OFFSET));
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   const int64_t half = p->chunks * CHUNK, steps = p->full_chunks / 2;
   __m512 acc[4][MB_MAX];
