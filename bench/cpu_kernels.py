@@ -5,10 +5,14 @@ CPU before them, side by side in one process. (Until 2026-12-01 evening this was
     python bench/cpu_kernels.py fp4                          # 1 thread, M = 1 .. 256
     python bench/cpu_kernels.py fp8 --threads 2 --ms 1 4 --rounds 9
     python bench/cpu_kernels.py fp8 --tiles avx2 avx512-bf16 --ms 1 4   # a kernel's tiles side by side
+    git show HEAD~1:quantpass/kernels/csrc/linear_fp8.c > /tmp/old/linear_fp8.c   # with the headers it includes
+    cp quantpass/kernels/csrc/*.h /tmp/old/
+    python bench/cpu_kernels.py fp8 --ms 1 4 --source before=/tmp/old/linear_fp8.c   # another build beside this one
 
 Method: 8 distinct 4096x4096 bf16 weights quantized once per format, used in rotation so every call
 reads its weight from DRAM (8 x 8.4-17 MiB > the 48 MiB L3 here); x bf16 [M, 4096]; one call per
-weight per round, rounds interleaved (ours, reference, ours, ...), medians and spread (min-max) of
+weight per round, rounds interleaved (ours, reference, ours, ...; with --source, each build of the family's C
+source on each tile set), medians and spread (min-max) of
 the per-call time over rounds, wall clock. GB/s: the quantized weight's bytes (codes + scales) per
 call time. Each kernel's largest M (`MAX_M`, above it the cpu backend calls the reference) comes
 from this table. Writes `cpu_<family>.csv` to --out (default $OUT or bench/out/).
@@ -26,7 +30,7 @@ from pathlib import Path
 import torch
 from results import interleaved, utc_stamp, write_csv  # bench/results.py (scripts run from bench/)
 
-from quantpass.kernels import cpu_fp4, cpu_fp8, reference
+from quantpass.kernels import cpu_avx2, cpu_fp4, cpu_fp8, reference
 from quantpass.quant_registry import keys, quantize
 
 FAMILIES = {  # family -> (kernel module, {format name: (weight key, activation key)})
@@ -52,6 +56,13 @@ def parse_args():
     parser.add_argument("--ms", type=int, nargs="+", default=[1, 4, 16, 64, 128, 256])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--tiles", nargs="+", default=[], help="these tiles side by side (the kernel module's TILES)")
+    parser.add_argument(
+        "--source",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="another version of the family's C source, built and timed beside this tree's (repeatable)",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
     return parser.parse_args()
 
@@ -64,6 +75,10 @@ def main() -> None:
     if not ok:
         raise SystemExit(f"quantpass's {args.family} CPU kernel can't run here: {reason}")
     tiles = args.tiles or [kernel.tiles() if hasattr(kernel, "tiles") else ""]
+    builds = {"this tree": kernel._library}  # the kernel module calls its `_library` loader on every call
+    for name, path in (source.split("=", 1) for source in args.source):
+        builds[name] = cpu_avx2.format_kernel(Path(path).resolve(), kernel.SIGNATURES, f"{args.family} {name}")
+    versions = {(b, t): f"{b}, {t}" if len(builds) > 1 else t for b in builds for t in tiles}
     rows = []
     for name, (weight_key, activation) in formats.items():
         gen = torch.Generator().manual_seed(0)
@@ -72,31 +87,32 @@ def main() -> None:
         for m in args.ms:
             x = torch.randn(m, SIZE, generator=gen).bfloat16()
             cases = {  # the reference on 2 of the weights: ~75 ms per call at M=1
-                t: lambda x=x, ws=weights, a=activation, t=t: (
-                    [on_tiles(kernel, t)] + [kernel.linear(x, w, a) for w in ws]
+                version: lambda x=x, ws=weights, a=activation, b=b, t=t: (
+                    [on_build(kernel, builds[b], t)] + [kernel.linear(x, w, a) for w in ws]
                 )
-                for t in tiles
+                for (b, t), version in versions.items()
             }
             cases["reference"] = lambda x=x, ws=weights[:2], a=activation: [reference.linear(x, w, a, None) for w in ws]
             runs = interleaved(cases, args.rounds)
             r_times = [t / 2 for t in runs["reference"]]
             r, r_lo, r_hi = statistics.median(r_times), min(r_times), max(r_times)
-            for t in tiles:
-                times = [s / LAYERS for s in runs[t]]
+            for version in versions.values():
+                times = [s / LAYERS for s in runs[version]]
                 k, k_lo, k_hi = statistics.median(times), min(times), max(times)
                 rows.append(
-                    {"format": name, "M": m, "threads": args.threads, "tiles": t, "kernel_ms": k * 1e3,
+                    {"format": name, "M": m, "threads": args.threads, "tiles": version, "kernel_ms": k * 1e3,
                      "kernel_min_ms": k_lo * 1e3, "kernel_max_ms": k_hi * 1e3, "kernel_GBps": nbytes / k / 1e9,
                      "reference_ms": r * 1e3, "reference_min_ms": r_lo * 1e3, "reference_max_ms": r_hi * 1e3,
                      "reference_over_kernel": r / k}
                 )  # fmt: skip
-                print(f"{name} M={m} {t}: kernel {k * 1e3:.2f} ms, reference {r * 1e3:.1f} ms", flush=True)
+                print(f"{name} M={m} {version}: kernel {k * 1e3:.2f} ms, reference {r * 1e3:.1f} ms", flush=True)
     out = Path(args.out) / f"cpu_{args.family}.csv"
     write_csv(out, rows, {"date": utc_stamp(), "machine": platform.processor() or platform.machine()})
     print(f"\n{utc_stamp()}, {platform.machine()}, torch {torch.__version__}, {args.threads} thread(s), "
           f"`python bench/cpu_kernels.py {' '.join(sys.argv[1:])}`".rstrip())  # fmt: skip
     print(
-        f"\n| format | M | tiles | {args.family.upper()} kernel ms (spread) | GB/s | reference ms (spread) | reference / kernel |"
+        f"\n| format | M | {'build, tiles' if len(builds) > 1 else 'tiles'} | {args.family.upper()} kernel ms (spread) | GB/s | "
+        "reference ms (spread) | reference / kernel |"
     )
     print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
     for r in rows:
@@ -108,9 +124,11 @@ def main() -> None:
     print(f"\nCSV: {out}")
 
 
-def on_tiles(kernel, name: str) -> str:
-    """Switch `kernel` (a module with `tiles`) to tile set `name` ("" : leave it) before a case's calls."""
-    return kernel.tiles(name) if name else name
+def on_build(kernel, library, tiles: str) -> str:
+    """Switch `kernel` (a module) to a build of its C source (`library`, a `format_kernel` loader) and that
+    build to tile set `tiles` ("": leave it) before a case's calls."""
+    kernel._library = library
+    return kernel.tiles(tiles) if tiles else tiles
 
 
 if __name__ == "__main__":

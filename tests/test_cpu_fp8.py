@@ -145,6 +145,23 @@ def test_every_e4m3_byte_reads_as_torch_decodes_it(out_dtype):
     assert torch.equal(out[:, 0], codes.view(torch.float8_e4m3fn).float().to(out_dtype))
 
 
+def test_every_e4m3_byte_times_each_mxfp8_scale_reads_exactly():
+    """Each finite e4m3 byte against one-hot activations, under e8m0 scales at and past the edges of what the
+    bf16 tiles fold into the weights (bytes 10 .. 246): rows 0-3 (one 4-row tile) fold, rows 4-7 (the next)
+    hold a byte outside and run unfolded. Every output is one byte times its scale, exactly (or inf past fp32's
+    range, and zero for a zero byte: a scale of 2^120 or more once gave NaN there on the fp32 tiles)."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F] + [0, 0], dtype=torch.uint8)  # 8 MX blocks
+    data = codes.view(torch.float8_e4m3fn).reshape(1, -1).repeat(8, 1)
+    exponents = torch.tensor([127, 10, 246, 100, 9, 247, 0, 254], dtype=torch.uint8)
+    scale = exponents[:, None].repeat(1, 8)
+    scale[4:, 1:] = 127  # one byte outside the range takes its tile off the fold
+    weight = QTensor(data, scale, None, keys.kMxfp8Static, data.shape, torch.float32)
+    out = cpu_fp8.linear(torch.eye(256), weight, out=poisoned(256, 8))
+    value = codes.view(torch.float8_e4m3fn).float()[:, None]
+    want = value * torch.exp2(scale.float().repeat_interleave(32, dim=1).t() - 127)  # inf past fp32's range
+    assert torch.equal(out, want)
+
+
 def test_nan_and_inf_activations_stay_in_their_rows_as_in_the_reference():
     x, weight, _ = operands(keys.kFp8StaticChannelSym, 3, 16, 128)
     x[1, 5], x[2, 70] = float("nan"), float("inf")
@@ -178,7 +195,8 @@ def test_bad_arguments_name_what_is_wrong():
 def test_which_tiles_a_call_takes(tiles):
     """The bf16 tiles run a call whose activations are all bf16 values that dpbf16ps reads as they are
     (bf16 activations as given; FP8-quantized ones as codes with their scales, unless a code times its
-    scale overflows); any other call runs on the fp32 tiles, bit for bit as with those chosen."""
+    scale overflows; MXFP8's as codes times their scales, unless one is not a normal bf16 value); any
+    other call runs on the fp32 tiles, bit for bit as with those chosen."""
     if tiles != "avx512-bf16":
         pytest.skip("about the bf16 tiles")
     x, weight, _ = operands(keys.kFp8Static128BlockSym, 3, 40, 1024, dtype=torch.float32)
@@ -186,9 +204,13 @@ def test_which_tiles_a_call_takes(tiles):
     subnormal[1, 3] = 2.0**-130  # a bf16 value, but subnormal: dpbf16ps would read it as zero
     mx_inf = x.clone()
     mx_inf[2, 9] = float("inf")  # MXFP8's block scale 2^127: 448 x 2^127 overflows
+    mx_tiny = x.clone()
+    mx_tiny[1] *= 2.0**-130  # MXFP8's codes times their scales (2^-127 at the least): not normal bf16 values
     mx_weight = formats.quantize(torch.randn(40, 1024), keys.kMxfp8Static)
-    fp32_tiles = [(x, weight, None), (subnormal, weight, None), (mx_inf, mx_weight, keys.kMxfp8Dynamic)]
-    bf16_tiles = [(x.bfloat16(), weight, None), (x, weight, keys.kFp8Dynamic128Sym)]
+    fp32_tiles = [(x, weight, None), (subnormal, weight, None), (mx_inf, mx_weight, keys.kMxfp8Dynamic),
+                  (mx_tiny, mx_weight, keys.kMxfp8Dynamic)]  # fmt: skip
+    bf16_tiles = [(x.bfloat16(), weight, None), (x, weight, keys.kFp8Dynamic128Sym),
+                  (x.bfloat16(), mx_weight, None), (x, mx_weight, keys.kMxfp8Dynamic)]  # fmt: skip
     for i, case in enumerate(fp32_tiles + bf16_tiles):
         got = cpu_fp8.linear(*case, out=poisoned(3, 40))  # fp32 out: the sums as they are
         with on_tiles(cpu_fp8.tiles, "avx2"):

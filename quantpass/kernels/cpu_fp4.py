@@ -46,9 +46,8 @@ P, I64, I32, F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 ACTS = {None: 0, kNvfp4Dynamic: 1}  # csrc's INT8_BLOCKS, NVFP4
 _ARGS = (P, I64, I32, I64, I64, I32, P, F32, P, P, P, I32, I64, I64, F32, P, I32, P, I64, I32, I32)  # qp_linear_fp4
 _MOE_ARGS = (*cpu_avx2.MOE_LAYER_ARGS, P, P, I64, P, P, P, I64, P, I32, P, I32, P, F32)  # qp_moe_fp4's
-_library = cpu_avx2.format_kernel(
-    SOURCE, {"qp_linear_fp4": _ARGS, "qp_moe_fp4": _MOE_ARGS, "qp_fp4_tiles": (ctypes.c_int,)}, "FP4"
-)
+SIGNATURES = {"qp_linear_fp4": _ARGS, "qp_moe_fp4": _MOE_ARGS, "qp_fp4_tiles": (ctypes.c_int,)}
+_library = cpu_avx2.format_kernel(SOURCE, SIGNATURES, "FP4")
 # the kernel's tiles (csrc's qp_fp4_tiles 0, 1): AVX2, or AVX-512 VNNI where the CPU has it (the same
 # integer sums; measured faster on Zen 4: bench/README.md, "VNNI tiles for FP4")
 TILES = ("avx2", "avx512-vnni")

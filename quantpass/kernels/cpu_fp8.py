@@ -10,9 +10,10 @@ Activations are multiplied in fp32: weight-only as given, W8A8 as the activation
 (what the reference multiplies: the kernel quantizes per-token, per-1x128, per-tensor, static and
 MXFP8 activations itself, bit for bit as `reference.fake_quantize` does), so the two backends differ
 only in the order of fp32 sums. Where the CPU has AVX-512 BF16, bf16 activations and FP8-quantized
-ones (their codes, the scales applied to each weight group's sum) multiply on bf16 tiles instead
-(`tiles`, TILES; on Zen 4 1.3-1.6x faster at M = 1, 1.5-2.1x at M = 4 and 16, MXFP8 0.93-1.15x):
-exact products again (W8A8: of the codes), other fp32 roundings. Above `MAX_M` rows the `reference`
+ones (their codes, the scales applied to each weight group's sum; MXFP8's power-of-two scales folded
+into the bf16 weights and activations) multiply on bf16 tiles instead (`tiles`, TILES; on Zen 4
+1.3-1.6x faster at M = 1, 1.5-2.1x at M = 4 and 16, MXFP8 as fast as per-channel FP8): exact products
+again (W8A8: of the codes), other fp32 roundings. Above `MAX_M` rows the `reference`
 backend runs the call (one fp32 GEMM on the dequantized weight is faster there). `moe_experts` hands a MoE layer's experts to the
 kernel's one-call MoE entry (kernels/cpu.py, `_moe_on_our_kernels`)."""
 
@@ -60,9 +61,8 @@ _ARGS = (P, I64, I32, I64, I64, P, I64, I64, P, P, I64, I64, I64, I32, I64, F32,
 # qp_moe_fp8's: the layer's, then each GEMM's weights (data, scales, kp, srows, sld), group, lut, how
 # the rows are quantized (act, act_group), the static scales of w13's and w2's GEMMs, eps
 _MOE_ARGS = (*cpu_avx2.MOE_LAYER_ARGS, P, P, I64, I64, I64, P, P, I64, I64, I64, I64, P, I32, I64, P, P, F32)  # fmt: skip
-_library = cpu_avx2.format_kernel(
-    SOURCE, {"qp_linear_fp8": _ARGS, "qp_moe_fp8": _MOE_ARGS, "qp_fp8_tiles": (I32,)}, "FP8"
-)
+SIGNATURES = {"qp_linear_fp8": _ARGS, "qp_moe_fp8": _MOE_ARGS, "qp_fp8_tiles": (I32,)}
+_library = cpu_avx2.format_kernel(SOURCE, SIGNATURES, "FP8")
 # the kernel's tiles (csrc's qp_fp8_tiles 0, 1): fp32 activations on AVX2, or bf16 ones on AVX-512 BF16,
 # which a call takes where the CPU has it and every activation value is a bf16 value
 TILES = ("avx2", "avx512-bf16")

@@ -3,7 +3,8 @@
  * read in the layout quantpass quantizes into (no prepared copy): w [N, kp] e4m3 bytes, and a scale
  * grid `ws` with one scale per (`srows` weight rows, `group` columns): per-tensor (srows >= N, group 0:
  * the whole row), per-channel (1, 0), 128x128 blocks (128, 128), MXFP8 (1, 32). Scales are fp32, or
- * bytes decoded through `lut` (256 floats: MXFP8's e8m0). Built and loaded at run time by
+ * bytes decoded through `lut` (256 floats: MXFP8's e8m0, 2^(b - 127), which the bf16 tiles
+ * fold into the weights' exponents). Built and loaded at run time by
  * quantpass/kernels/cpu_fp8.py (ctypes).
  *
  * Activations are fp32 (x converted once per call into per-thread scratch, zero past K), as given or
@@ -16,8 +17,8 @@
  * Decoding: an e4m3 byte sign-extended to 16 bits and shifted left by 7 is an fp16 with the e4m3 sign in
  * bit 15, a stray copy of it in bit 14 (cleared) and exponent and mantissa below: its value is the e4m3
  * value / 256, subnormals included (they become fp16 subnormals, which F16C converts without a
- * microcode assist). 16 bytes -> two vectors of 8 fp32 (_mm256_cvtph_ps), then FMAs with x; the 256 is
- * folded into the scale. e4m3's NaN codes (0x7F, 0xFF) read as +-480 here: quantpass never writes them
+ * microcode assist). 16 bytes -> two vectors of 8 fp32 (_mm256_cvtph_ps), then FMAs with x; each output is
+ * multiplied by the 256 once. e4m3's NaN codes (0x7F, 0xFF) read as +-480 here: quantpass never writes them
  * (a weight with NaN gets a NaN scale, which does propagate).
  *
  * bf16 tiles: where the CPU has AVX-512 BF16 (`qp_fp8_tiles`), e4m3 bytes decode to bf16 and one
@@ -27,9 +28,11 @@
  * values), each weight group's sum then times its activation scale (with the weight's), unless a code
  * times its scale is not finite (then the fp32 tiles: the reference's inf and NaN). The products are the
  * fp32 tiles' (weight-only) or the unscaled codes' (W8A8: the scales applied to sums, not to each value);
- * the fp32 sums run in another order, and dpbf16ps flushes sums below 2^-126 to zero. Measured on Zen 4
- * (bench/README.md, "bf16 tiles on AVX-512 BF16"): 1.3-1.6x the fp32 tiles' speed at M = 1, 1.5-2.1x at
- * M = 4 and 16; MXFP8 (a scale per 32 weights) 0.93-1.15x.
+ * the fp32 sums run in another order, and dpbf16ps flushes sums below 2^-126 to zero. MXFP8's power-of-two
+ * scales are folded into the bf16 values instead (weights as they decode, activations as they are
+ * quantized: `tile_bf16_mx`), so a row is one sum there too. Measured on Zen 4 (bench/README.md, "bf16
+ * tiles on AVX-512 BF16", "MXFP8 with its scales folded"): 1.3-1.6x the fp32 tiles' speed at M = 1,
+ * 1.5-2.1x at M = 4 and 16; MXFP8 1.8-2.4x its unfolded bf16 tiles' speed.
  * Threads (OpenMP) split N into ranges starting on multiples of 16 rows; each output is one thread's
  * sum in a fixed order, whatever the number of threads (built with -ffp-contract=off).
  */
@@ -47,7 +50,7 @@
 enum { AS_GIVEN = 0, PER_TOKEN = 1, PER_TENSOR = 2, STATIC = 3, MX = 4 };
 
 typedef struct {
-  outputs o; /* g: 1 (the scales are applied per group in the tiles) */
+  outputs o; /* g: 256 on the fp32 tiles (decode's values are / 256), else 1; the scales applied per group */
   int64_t N, K, kp, xcols, srows, group_steps, groups, sld;
   const uint8_t *w;
   const void *ws;
@@ -56,6 +59,7 @@ typedef struct {
   const uint16_t *xb;   /* the bf16 tiles': [M, bcols] bf16 activations (FP8 codes where `act`), zero past K */
   const float *xscales; /* NULL, or [M, groups]: the codes' scale for each weight group of each row */
   int64_t bcols, bgroup_steps;
+  int mx; /* the bf16 tiles fold e8m0 weight scales into the weights (`tile_bf16_mx`); xscales NULL or per row */
 } problem;
 
 /* fp32 -> e4m3 -> fp32 rounded to nearest even as torch's cast, for |v| <= 448 or NaN: below 2^-6 on the
@@ -90,31 +94,33 @@ static void fake_fp8(float *v, int64_t n, float scale) {
   for (int64_t k = 0; k < n; k++) v[k] = fp8_code(v[k], scale) * scale;
 }
 
-/* Row v's FP8 codes with `scale` as bf16 (exact: e4m3 values are bf16 values) into dst; 0 if a code times
- * the scale is not finite (where a sum of those products can be NaN and one of the codes' is not). */
-static int fp8_codes_bf16(const float *v, int64_t n, float scale, uint16_t *dst) {
-  int finite = 1;
+/* Row v's FP8 codes with `scale` as bf16 (exact: e4m3 values are bf16 values) into dst, or (`scaled`, for a
+ * power-of-two scale) the codes times the scale; 0 if a code times the scale is not finite (where a sum of
+ * those products can be NaN and one of the codes' is not), or (`scaled`) not a bf16 value dpbf16ps reads
+ * as it is. */
+static int fp8_codes_bf16(const float *v, int64_t n, float scale, int scaled, uint16_t *dst) {
+  int ok = 1;
   for (int64_t k = 0; k < n; k++) {
-    const float q = fp8_code(v[k], scale);
+    const float q = fp8_code(v[k], scale), value = scaled ? q * scale : q;
     uint32_t u;
-    memcpy(&u, &q, 4);
+    memcpy(&u, &value, 4);
     dst[k] = (uint16_t)(u >> 16);
-    finite &= isfinite(q * scale);
+    ok &= isfinite(q * scale) && (!scaled || (u & 0x7F800000) != 0 || (u & 0x7FFFFFFF) == 0);
   }
-  return finite;
+  return ok;
 }
 
 /* x's row [K] through FP8, per `act_group` columns with their scales (`scales`, one for the row if not
- * `per_group`): its codes into xb (bf16), returning 0 where `fp8_codes_bf16` does, or (xb NULL) its values
- * in place. */
+ * `per_group`): its codes into xb (bf16; `scaled`: times their power-of-two scales), returning 0 where
+ * `fp8_codes_bf16` does, or (xb NULL) its values in place. */
 static int row_through_fp8(float *row, int64_t K, int64_t act_group, const float *scales, int per_group,
-                           uint16_t *xb) {
+                           int scaled, uint16_t *xb) {
   int ok = 1;
   for (int64_t c = 0; c < K; c += act_group) {
     const int64_t n = K - c < act_group ? K - c : act_group;
     const float scale = scales[per_group ? c / act_group : 0];
     if (xb)
-      ok &= fp8_codes_bf16(row + c, n, scale, xb + c);
+      ok &= fp8_codes_bf16(row + c, n, scale, scaled, xb + c);
     else
       fake_fp8(row + c, n, scale);
   }
@@ -191,7 +197,7 @@ INLINE void tile(const problem *p, int64_t r0, int64_t m0, int R, int MB, float 
       }
     }
     for (int r = 0; r < R; r++) {
-      const __m256 scale = _mm256_set1_ps(scale_at(p, srow[r] + g) * 256.0f); /* decode's values are / 256 */
+      const __m256 scale = _mm256_set1_ps(scale_at(p, srow[r] + g));
       for (int m = 0; m < MB; m++)
         acc[r][m] = _mm256_fmadd_ps(_mm256_add_ps(part[r][m][0], part[r][m][1]), scale, acc[r][m]);
     }
@@ -228,13 +234,11 @@ INLINE BF16_TILES __m512i decode_bf16(const uint8_t *w, __m512i subnormals) {
   return _mm512_ternarylogic_epi32(v, b, _mm512_set1_epi16((short)0x8000), 0xF8); /* v | (b & sign) */
 }
 
-/* One step of a bf16 tile: 32 weight bytes at `w` (columns col ..) times MB activation rows from m0. */
-INLINE BF16_TILES void step_bf16(const problem *p, const uint8_t *w, int64_t col, int64_t m0, int MB,
-                                 __m512i subnormals, __m512 *part) {
-  const __m512bh v = (__m512bh)decode_bf16(w, subnormals);
+/* One step of a bf16 tile: 32 decoded weights (columns col ..) times MB activation rows from m0. */
+INLINE BF16_TILES void step_bf16(const problem *p, __m512i w, int64_t col, int64_t m0, int MB, __m512 *part) {
   for (int m = 0; m < MB; m++) {
     const __m512i x = _mm512_loadu_si512((const void *)(p->xb + (m0 + m) * p->bcols + col));
-    part[m] = _mm512_dpbf16_ps(part[m], v, (__m512bh)x);
+    part[m] = _mm512_dpbf16_ps(part[m], (__m512bh)w, (__m512bh)x);
   }
 }
 
@@ -257,13 +261,13 @@ INLINE BF16_TILES void tile_bf16(const problem *p, int64_t r0, int64_t m0, int R
     for (int64_t s = s0; s < s1; s++)
       for (int r = 0; r < R; r++) {
         if (s % (64 / BSTEP) == 0) next = prefetch(next);
-        step_bf16(p, p->w + (r0 + r) * p->kp + s * BSTEP, s * BSTEP, m0, MB, subnormals, part[r]);
+        step_bf16(p, decode_bf16(p->w + (r0 + r) * p->kp + s * BSTEP, subnormals), s * BSTEP, m0, MB, part[r]);
       }
     if (g == p->groups - 1 && full < p->kp) /* the row's last kp % 32 bytes: a zero-filled copy */
       for (int r = 0; r < R; r++) {
         uint8_t tmp[BSTEP] = {0};
         memcpy(tmp, p->w + (r0 + r) * p->kp + full, (size_t)(p->kp - full));
-        step_bf16(p, tmp, full, m0, MB, subnormals, part[r]);
+        step_bf16(p, decode_bf16(tmp, subnormals), full, m0, MB, part[r]);
       }
     for (int r = 0; r < R; r++) {
       const float scale = scale_at(p, srow[r] + g);
@@ -277,9 +281,79 @@ INLINE BF16_TILES void tile_bf16(const problem *p, int64_t r0, int64_t m0, int R
     for (int r = 0; r < R; r++) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]);
 }
 
+/* MXFP8 on the bf16 tiles: each weight's e8m0 scale 2^(e - 127) folded into its bf16 exponent as it decodes
+ * (exact: an e4m3 value times 2^(e - 127) is a normal bf16 value for e in 10 .. 246), so each row is one
+ * sum, with no scaling per 32 weights; the activations come folded too (`fp8_codes_bf16`'s `scaled`), or
+ * with one scale per row. A tile with a scale byte outside 10 .. 246, or more than MX_GROUPS groups per
+ * row, runs `tile_bf16`. Measured on Zen 4 (bench/README.md, "MXFP8 with its scales folded"). */
+#define MX_GROUPS 1024
+/* SUBNORMAL_BF16 less the exponent bias decode_bf16 adds (120 << 7): `decode_bf16_mx` adds it with the scale */
+static const uint16_t SUBNORMAL_MX[32] = {0, 0x3B00 - 0x3C00, 0x3B80 - 0x3C00, 0x3BC0 - 0x3C00,
+                                          0x3C00 - 0x3C00, 0x3C20 - 0x3C00, 0x3C40 - 0x3C00, 0x3C60 - 0x3C00};
+
+/* The tile's rows' e8m0 bytes -> off[r][g] = (e - 7) << 7: 120 << 7 (e4m3's exponent rebiased to bf16's)
+ * plus (e - 127) << 7 (the scale). 0 if a byte is outside 10 .. 246. */
+INLINE BF16_TILES int mx_offsets(const problem *p, int64_t r0, int R, int16_t (*off)[MX_GROUPS]) {
+  __mmask32 bad = 0;
+  for (int r = 0; r < R; r++) {
+    const uint8_t *e = (const uint8_t *)p->ws + (r0 + r) / p->srows * p->sld;
+    for (int64_t g = 0; g < p->groups; g += 32) {
+      const __mmask32 in = p->groups - g >= 32 ? ~(__mmask32)0 : ((__mmask32)1 << (p->groups - g)) - 1;
+      const __m512i v = _mm512_cvtepu8_epi16(_mm256_maskz_loadu_epi8(in, e + g));
+      bad |= _mm512_mask_cmpgt_epu16_mask(in, _mm512_sub_epi16(v, _mm512_set1_epi16(10)), _mm512_set1_epi16(236));
+      _mm512_mask_storeu_epi16(off[r] + g, in, _mm512_slli_epi16(_mm512_sub_epi16(v, _mm512_set1_epi16(7)), 7));
+    }
+  }
+  return bad == 0;
+}
+
+/* decode_bf16 with the exponent offset `off` (mx_offsets') in place of 120 << 7; zero codes stay zero. */
+INLINE BF16_TILES __m512i decode_bf16_mx(const uint8_t *w, __m512i subnormals, __m512i off) {
+  const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)w));
+  const __mmask32 sub = _mm512_testn_epi16_mask(b, _mm512_set1_epi16(0x78));
+  const __mmask32 nonzero = _mm512_test_epi16_mask(b, _mm512_set1_epi16(0x7F));
+  __m512i v = _mm512_and_si512(_mm512_slli_epi16(b, 4), _mm512_set1_epi16(0x07F0));
+  v = _mm512_maskz_add_epi16(nonzero, _mm512_mask_permutexvar_epi16(v, sub, b, subnormals), off);
+  return _mm512_ternarylogic_epi32(v, b, _mm512_set1_epi16((short)0x8000), 0xF8); /* v | (b & sign) */
+}
+
+INLINE BF16_TILES void tile_bf16_mx(const problem *p, int64_t r0, int64_t m0, int R, int MB, float *res) {
+  int16_t off[4][MX_GROUPS] __attribute__((aligned(64)));
+  if (p->groups > MX_GROUPS || !mx_offsets(p, r0, R, off)) {
+    tile_bf16(p, r0, m0, R, MB, res);
+    return;
+  }
+  const int64_t steps = p->kp / BSTEP, full = steps * BSTEP;
+  const __m512i subnormals = _mm512_loadu_si512((const void *)SUBNORMAL_MX);
+  __m512 acc[4][MB_MAX];
+  const uint8_t *next = p->w + (r0 + R) * p->kp;
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < MB; m++) acc[r][m] = _mm512_setzero_ps();
+  for (int64_t s = 0; s < steps; s++)
+    for (int r = 0; r < R; r++) {
+      if (s % (64 / BSTEP) == 0) next = prefetch(next);
+      const __m512i o = _mm512_set1_epi16(off[r][s / p->bgroup_steps]);
+      step_bf16(p, decode_bf16_mx(p->w + (r0 + r) * p->kp + s * BSTEP, subnormals, o), s * BSTEP, m0, MB, acc[r]);
+    }
+  if (full < p->kp) /* the row's last kp % 32 bytes: a zero-filled copy */
+    for (int r = 0; r < R; r++) {
+      uint8_t tmp[BSTEP] = {0};
+      memcpy(tmp, p->w + (r0 + r) * p->kp + full, (size_t)(p->kp - full));
+      const __m512i o = _mm512_set1_epi16(off[r][p->groups - 1]);
+      step_bf16(p, decode_bf16_mx(tmp, subnormals, o), full, m0, MB, acc[r]);
+    }
+  for (int m = 0; m < MB; m++) {
+    const float xscale = p->xscales ? p->xscales[(m0 + m) * p->groups] : 1.0f;
+    for (int r = 0; r < R; r++) res[m * R + r] = _mm512_reduce_add_ps(acc[r][m]) * xscale;
+  }
+}
+
 #define TILE_BF16(R, MB)                                                                  \
   static BF16_TILES void tile_bf16_##R##_##MB(const void *p, int64_t r0, int64_t m0, float *res) { \
-    tile_bf16(p, r0, m0, R, MB, res);                                                     \
+    if (((const problem *)p)->mx)                                                         \
+      tile_bf16_mx(p, r0, m0, R, MB, res);                                                \
+    else                                                                                  \
+      tile_bf16(p, r0, m0, R, MB, res);                                                   \
   }
 TILE_BF16(4, 1) TILE_BF16(2, 2) TILE_BF16(1, 3) TILE_BF16(1, 4) TILE_BF16(1, 1) TILE_BF16(1, 2)
 static const mb_tile_fn WIDE_BF16[MB_MAX] = {tile_bf16_4_1, tile_bf16_2_2, tile_bf16_1_3, tile_bf16_1_4},
@@ -362,7 +436,8 @@ int qp_linear_fp8(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, c
   /* the rows through FP8: codes and their scales for the bf16 tiles, or values for the fp32 ones */
   int on_bf16 = bf16;
   for (int64_t m = 0; act != AS_GIVEN && bf16 && m < M; m++) {
-    on_bf16 &= row_through_fp8(buf + m * xcols, K, act_group, scales + m * xgroups, xgroups > 1, xb + m * p.bcols);
+    on_bf16 &= row_through_fp8(buf + m * xcols, K, act_group, scales + m * xgroups, xgroups > 1, act == MX,
+                               xb + m * p.bcols);
     for (int64_t k = K; k < p.bcols; k++) xb[m * p.bcols + k] = 0;
     for (int64_t g = 0; g < p.groups; g++) {
       const int64_t gx = group ? g * group / act_group : 0;
@@ -370,11 +445,16 @@ int qp_linear_fp8(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, c
     }
   }
   for (int64_t m = 0; act != AS_GIVEN && !on_bf16 && m < M; m++)
-    row_through_fp8(buf + m * xcols, K, act_group, scales + m * xgroups, xgroups > 1, NULL);
+    row_through_fp8(buf + m * xcols, K, act_group, scales + m * xgroups, xgroups > 1, 0, NULL);
   p.xs = buf;
   p.xb = xb;
-  p.xscales = act != AS_GIVEN ? xscales : NULL;
+  /* MXFP8's activation scales are in xb (powers of two, folded) on the bf16 tiles */
+  p.xscales = act != AS_GIVEN && !(on_bf16 && act == MX) ? xscales : NULL;
+  p.mx = lut != NULL && (p.xscales == NULL || xgroups == 1);
   if (act == AS_GIVEN && bf16) on_bf16 = bf16_rows(buf, M, xcols, xb, p.bcols);
+  /* the fp32 tiles' decoded values are / 256: times 256 with the outputs (with each group's scale, a scale
+   * of 2^120 or more overflowed, and turned zero sums into NaN) */
+  p.o.g = on_bf16 ? 1.0f : 256.0f;
   parallel_rows(on_bf16 ? rows_bf16 : rows, &p, N, kp, threads);
   if (fresh) free(buf);
   return 0;
