@@ -8,11 +8,12 @@ CPU before them, side by side in one process. (Until 2026-12-01 evening this was
     git show HEAD~1:quantpass/kernels/csrc/linear_fp8.c > /tmp/old/linear_fp8.c   # with the headers it includes
     cp quantpass/kernels/csrc/*.h /tmp/old/
     python bench/cpu_kernels.py fp8 --ms 1 4 --source before=/tmp/old/linear_fp8.c   # another build beside this one
+    python bench/cpu_kernels.py fp4 --ms 1 --graph-ops     # + the graph op compiled graphs call (C++, Python)
 
 Method: 8 distinct 4096x4096 bf16 weights quantized once per format, used in rotation so every call
 reads its weight from DRAM (8 x 8.4-17 MiB > the 48 MiB L3 here); x bf16 [M, 4096]; one call per
 weight per round, rounds interleaved (ours, reference, ours, ...; with --source, each build of the family's C
-source on each tile set), medians and spread (min-max) of
+source on each tile set; with --graph-ops, the graph ops too, on the first tile set), medians and spread (min-max) of
 the per-call time over rounds, wall clock. GB/s: the quantized weight's bytes (codes + scales) per
 call time. Each kernel's largest M (`MAX_M`, above it the cpu backend calls the reference) comes
 from this table. Writes `cpu_<family>.csv` to --out (default $OUT or bench/out/).
@@ -30,7 +31,7 @@ from pathlib import Path
 import torch
 from results import interleaved, utc_stamp, write_csv  # bench/results.py (scripts run from bench/)
 
-from quantpass.kernels import cpu_avx2, cpu_fp4, cpu_fp8, reference
+from quantpass.kernels import cpu, cpu_avx2, cpu_fp4, cpu_fp8, reference
 from quantpass.quant_registry import keys, quantize
 
 FAMILIES = {  # family -> (kernel module, {format name: (weight key, activation key)})
@@ -63,6 +64,11 @@ def parse_args():
         metavar="NAME=PATH",
         help="another version of the family's C source, built and timed beside this tree's (repeatable)",
     )
+    parser.add_argument(
+        "--graph-ops",
+        action="store_true",
+        help="also the graph ops compiled graphs call (C++, and the Python one it falls back to), on the kernel's tiles",
+    )
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
     return parser.parse_args()
 
@@ -75,10 +81,12 @@ def main() -> None:
     if not ok:
         raise SystemExit(f"quantpass's {args.family} CPU kernel can't run here: {reason}")
     tiles = args.tiles or [kernel.tiles() if hasattr(kernel, "tiles") else ""]
-    builds = {"this tree": kernel._library}  # the kernel module calls its `_library` loader on every call
+    kernel_library = kernel._library  # the kernel module calls its `_library` loader on every call
+    builds = {"this tree": kernel_library}
     for name, path in (source.split("=", 1) for source in args.source):
         builds[name] = cpu_avx2.format_kernel(Path(path).resolve(), kernel.SIGNATURES, f"{args.family} {name}")
     versions = {(b, t): f"{b}, {t}" if len(builds) > 1 else t for b in builds for t in tiles}
+    ops = graph_ops() if args.graph_ops else {}
     rows = []
     for name, (weight_key, activation) in formats.items():
         gen = torch.Generator().manual_seed(0)
@@ -92,11 +100,15 @@ def main() -> None:
                 )
                 for (b, t), version in versions.items()
             }
+            for case, op in ops.items():
+                cases[case] = lambda x=x, ws=weights, a=activation, op=op: (
+                    [on_build(kernel, kernel_library, tiles[0])] + [graph_call(op, x, w, a) for w in ws]
+                )
             cases["reference"] = lambda x=x, ws=weights[:2], a=activation: [reference.linear(x, w, a, None) for w in ws]
             runs = interleaved(cases, args.rounds)
             r_times = [t / 2 for t in runs["reference"]]
             r, r_lo, r_hi = statistics.median(r_times), min(r_times), max(r_times)
-            for version in versions.values():
+            for version in [*versions.values(), *ops]:
                 times = [s / LAYERS for s in runs[version]]
                 k, k_lo, k_hi = statistics.median(times), min(times), max(times)
                 rows.append(
@@ -122,6 +134,18 @@ def main() -> None:
             f"{r['reference_over_kernel']:.1f}x |"
         )
     print(f"\nCSV: {out}")
+
+
+def graph_ops() -> dict:
+    """{case: op}: the cpu backend's graph op as compiled graphs call it (C++ where it builds) and the Python op."""
+    return {"graph op (C++)": cpu.graph_linear_op("cpu"), "graph op (Python)": torch.ops.quantpass.linear_cpu.default}
+
+
+def graph_call(op, x, weight, activation):
+    """A compiled graph's call of the linear op on this weight (positional, as Inductor's wrapper makes it)."""
+    key = "" if activation is None else str(activation)
+    return op(x, weight.data, weight.scale, weight.scale2, None, str(weight.key), key, "cpu", weight.data.shape[0],
+              weight.input_scale)  # fmt: skip
 
 
 def on_build(kernel, library, tiles: str) -> str:

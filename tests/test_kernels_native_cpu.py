@@ -144,7 +144,7 @@ def test_cpu_through_the_graph_op(key, int4_kernel):
     qt = quantize(w, key)
     prepared = prepare_weight("cpu", "linear", qt)
     op = linear_call("cpu", "cpu")
-    cxx = cpu_op.op(cpu._FAST.items()) if int4_kernel == "avx2" else None
+    cxx = cpu_op.op(cpu.graph_tables()) if int4_kernel == "avx2" else None
     assert op is (cxx or torch.ops.quantpass.linear_cpu.default)
     args = (prepared.data, prepared.scale, prepared.scale2, bias, key_arg(key), "", "cpu", 96)
     out = torch.compile(op, backend="aot_eager", fullgraph=True)(x.unsqueeze(0), *args)[0]

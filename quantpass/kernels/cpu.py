@@ -15,9 +15,9 @@ quantpass's FP4 kernel (cpu_fp4.py) and every FP8 format on its FP8 kernel (cpu_
 
 Every weight has one prepared copy: ours is the quantized weight itself; aten's replaces it, and the
 large-M path dequantizes per call. A compiled graph calls `quantpass::linear_cpu_cxx` (C++,
-cpu_op.py) or, where that can't be built, `quantpass::linear_cpu` (`graph_linear_op`): both go
-straight to our kernel when they can. `fused_moe` runs a MoE layer (weight-only, INT8/FP8/MXFP8 W8A8,
-NVFP4 W4A4) in one C call (`_moe_on_our_kernels`, `cpu_avx2.moe_layer` with each kernel library's
+cpu_op.py; INT8/INT4 and the format kernels' pairs, `graph_tables`) or, where that can't be built,
+`quantpass::linear_cpu` (`graph_linear_op`): both go straight to our kernel when they can.
+`fused_moe` runs a MoE layer (weight-only, INT8/FP8/MXFP8 W8A8, NVFP4 W4A4) in one C call (`_moe_on_our_kernels`, `cpu_avx2.moe_layer` with each kernel library's
 `moe_experts`; graphs call `quantpass::fused_moe_cpu_cxx`, C++ for INT8 and INT4, or
 `quantpass::fused_moe_cpu`, `graph_moe_op`) and anything else as `_per_expert_loop`.
 aten's INT4 layout is read back in cpu_aten_int4.py. Measurements: bench/README.md ("CPU decode at the
@@ -26,6 +26,7 @@ bandwidth limit", "MoE at decode", "Results: CPU").
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import replace
 
@@ -398,13 +399,24 @@ _FAST = {
 }
 
 
+@functools.cache
+def graph_tables() -> cpu_op.Tables:
+    """The C++ graph ops' tables: our INT kernels' (`_FAST`) and each format kernel's pairs with its entry."""
+    (fp8, rows8), (fp4, rows4) = cpu_fp8.graph_entry(), cpu_fp4.graph_entry()
+    rows = {**(rows8 if fp8 else {}), **(rows4 if fp4 else {})}
+    formats = tuple(
+        sorted((f"{key}|{activation}", tuple(row[f] for f in cpu_op.FORMAT_FIELDS)) for (key, activation), row in rows.items())
+    )  # fmt: skip
+    return cpu_op.Tables(tuple(sorted(_FAST.items())), formats, fp8, fp4)
+
+
 def graph_linear_op(device_type: str):
     """On CPU, `quantpass::linear_cpu_cxx` (the same op in C++, cpu_op.py) where it builds, else
     `quantpass::linear_cpu` (a plain torch.library op: the generic `quantpass::linear` is a
     `custom_op`, ~20 us more per call, measured in bench/cpu_decode.py)."""
     if device_type != "cpu":
         return None
-    fast = cpu_op.op(_FAST.items()) if cpu_avx2.entry_point() is not None else None
+    fast = cpu_op.op(graph_tables()) if cpu_avx2.entry_point() is not None else None
     return fast or torch.ops.quantpass.linear_cpu.default
 
 
@@ -415,7 +427,7 @@ def graph_moe_op(device_type: str):
     scales by keyword)."""
     if device_type != "cpu":
         return None
-    fast = cpu_op.moe_op(_FAST.items()) if cpu_avx2.entry_point() is not None else None
+    fast = cpu_op.moe_op(graph_tables()) if cpu_avx2.entry_point() is not None else None
     return fast or torch.ops.quantpass.fused_moe_cpu.default
 
 

@@ -116,6 +116,29 @@ def linear(
     return out
 
 
+def graph_entry() -> tuple[int, dict[tuple[str, str], dict[str, int]]]:
+    """What the C++ graph op (csrc/linear_op.cpp) calls for this kernel: qp_linear_fp4's address (0 where it
+    is not built) and, per (weight key, activation key) it runs, the call's constants by
+    cpu_op.FORMAT_FIELDS (those `linear` derives from the key; the tensors' come with each call)."""
+    lib, ok, _ = _library()
+    rows = {
+        (str(key), "" if activation is None else str(activation)): {
+            "family": 4,
+            "most": MAX_M,
+            "srows": 1,
+            "group": key.group_shape.col,
+            "lut": scale_table(key.scale.dtype).data_ptr(),
+            "act": ACTS[activation],
+            "act_group": 0,
+            "codes": fp4_code_table().data_ptr(),
+            "input_scale": 0,
+        }
+        for key, modes in MODES.items()
+        for activation in modes
+    }
+    return (ctypes.cast(lib.qp_linear_fp4, ctypes.c_void_p).value if ok else 0), rows
+
+
 def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation=None, input_scales=()):
     """(qp_moe_fp4, its arguments after the layer's, tensors they point into) for the stacked MXFP4 /
     NVFP4 experts of a MoE layer ([E, N, kp / 2] codes, [E, N, kp / block] scale bytes, NVFP4's per-tensor

@@ -123,6 +123,30 @@ def linear(
     return out
 
 
+def graph_entry() -> tuple[int, dict[tuple[str, str], dict[str, int]]]:
+    """What the C++ graph op (csrc/linear_op.cpp) calls for this kernel: qp_linear_fp8's address (0 where it
+    is not built) and, per (weight key, activation key) it runs, the call's constants by
+    cpu_op.FORMAT_FIELDS (those `linear` derives from the key; the tensors' come with each call)."""
+    lib, ok, _ = _library()
+    rows = {}
+    for key, activations in MODES.items():
+        shape, lut = key.group_shape, _lut(key) or 0
+        for activation in activations:
+            act, act_group = ACTS.get(activation, (0, 0))
+            rows[str(key), "" if activation is None else str(activation)] = {
+                "family": 8,
+                "most": MAX_M,
+                "srows": shape.row,
+                "group": max(shape.col, 0),
+                "lut": lut,
+                "act": act,
+                "act_group": act_group,
+                "codes": 0,
+                "input_scale": int(act == STATIC),
+            }
+    return (ctypes.cast(lib.qp_linear_fp8, ctypes.c_void_p).value if ok else 0), rows
+
+
 def tiles(name: str | None = None) -> str:
     """The tiles the kernel uses where a call's activations allow (one of TILES); with `name`, switch to
     those first ("avx512-bf16" only on a CPU with AVX-512 BF16). Both multiply exactly; the bf16 ones
@@ -160,9 +184,13 @@ def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scal
 
 def _scales(key, scale: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     """The scales as the kernel reads them: MXFP8's bytes with their table of values, else fp32."""
-    if key.scale.dtype == E8M0:
-        return scale.view(torch.uint8), scale_table(E8M0).data_ptr()
-    return scale.float(), None
+    lut = _lut(key)
+    return (scale.float() if lut is None else scale.view(torch.uint8)), lut
+
+
+def _lut(key) -> int | None:
+    """The address of the fp32 values of the key's scale bytes (MXFP8's e8m0), None for fp32 scales."""
+    return scale_table(E8M0).data_ptr() if key.scale.dtype == E8M0 else None
 
 
 def _static_scale(weight: QTensor, activation) -> float:

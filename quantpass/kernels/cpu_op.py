@@ -5,12 +5,15 @@ Python body and no ctypes call in between.
 At decode each linear's op runs right after the previous kernel streamed megabytes of weights
 through the caches, so every interpreted step of a Python op body is a cache miss: the C++ ops do
 the same checks and call the kernels' entry points directly (bench/README.md, "CPU decode at the
-bandwidth limit" and "MoE at decode", has the measurements). Their schemas are `quantpass::linear_cpu`'s
-and `quantpass::fused_moe_cpu`'s, and anything off their fast paths goes to those ops, so both always
-agree.
+bandwidth limit", "MoE at decode" and "FP8 and FP4 linears in the C++ graph op" have the
+measurements): INT8/INT4 (qp_linear, qp_moe) and, for linears, the FP8 and FP4 kernels
+(qp_linear_fp8, qp_linear_fp4; their MoE layers go through the Python op). Their schemas are
+`quantpass::linear_cpu`'s and `quantpass::fused_moe_cpu`'s, and anything off their fast paths goes to
+those ops, so both always agree.
 
 Built on first use with the system C++ compiler against the running torch's headers (~10 s, once
-per torch version; cached next to the C kernels). Where it can't be built (no C++ compiler, no torch
+per torch version; cached next to the C kernels, whose FP8 and FP4 libraries it has built too, ~5-8 s
+each, once per version of their source). Where it can't be built (no C++ compiler, no torch
 headers, the C kernels unavailable, `QUANTPASS_CPU_KERNEL=0`), `op()` and `moe_op()` are None, with
 the reason in the log, and graphs call the Python ops.
 """
@@ -23,7 +26,7 @@ import logging
 import os
 import shutil
 import subprocess
-from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -58,24 +61,40 @@ def fake_moe(hidden, *args):
     return torch.empty_like(hidden)
 
 
-def op(fast: Iterable[tuple[str, tuple[int, int, int, str]]]):
-    """The C++ linear op, set up with the kernels' table `fast` (weight key -> (bits, mode, most rows,
-    the activation key a MoE layer quantizes per token or "")), or None where it can't be built here
-    (see `reason()`)."""
-    return _load(tuple(sorted(fast)))[0] and torch.ops.quantpass.linear_cpu_cxx.default
+# csrc/linear_op.cpp's `Format`: a row of `Tables.formats`
+FORMAT_FIELDS = ("family", "most", "srows", "group", "lut", "act", "act_group", "codes", "input_scale")
 
 
-def moe_op(fast: Iterable[tuple[str, tuple[int, int, int, str]]]):
+@dataclass(frozen=True)
+class Tables:
+    """What the C++ ops are set up with (kernels/cpu.py's `graph_tables`). `fast`: (weight key, (bits,
+    mode, most rows, the activation key a MoE layer quantizes per token or "")) for qp_linear and
+    qp_moe; `formats`: ("weight key|activation key", a row in FORMAT_FIELDS' order) for the format
+    kernels, whose entry points are `fp8` (qp_linear_fp8) and `fp4` (qp_linear_fp4), addresses (0: not
+    built)."""
+
+    fast: tuple[tuple[str, tuple[int, int, int, str]], ...]
+    formats: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    fp8: int = 0
+    fp4: int = 0
+
+
+def op(tables: Tables):
+    """The C++ linear op, set up with `tables`, or None where it can't be built here (see `reason()`)."""
+    return _load(tables)[0] and torch.ops.quantpass.linear_cpu_cxx.default
+
+
+def moe_op(tables: Tables):
     """The C++ MoE op (`quantpass::fused_moe_cpu`'s arguments), set up as `op` is, or None."""
-    return _load(tuple(sorted(fast)))[0] and torch.ops.quantpass.fused_moe_cpu_cxx.default
+    return _load(tables)[0] and torch.ops.quantpass.fused_moe_cpu_cxx.default
 
 
-def reason(fast: Iterable[tuple[str, tuple[int, int, int, str]]]) -> str:
-    return _load(tuple(sorted(fast)))[1]
+def reason(tables: Tables) -> str:
+    return _load(tables)[1]
 
 
 @functools.cache
-def _load(fast: tuple[tuple[str, tuple[int, int, int, str]], ...]):
+def _load(tables: Tables):
     entry = cpu_avx2.entry_point()
     if entry is None:
         return None, f"quantpass's C kernels are not available: {cpu_avx2.available()[1]}"
@@ -94,12 +113,14 @@ def _load(fast: tuple[tuple[str, tuple[int, int, int, str]], ...]):
         detail = (getattr(error, "stderr", "") or str(error)).strip()
         logger.warning("building quantpass's C++ graph op failed, graphs use the Python one: %s", detail[-500:])
         return None, f"building csrc/{SOURCE.name} with {compiler} failed"
-    keys = [key for key, _ in fast]
-    bits, modes, most, per_token = ([row[i] for _, row in fast] for i in range(4))
+    keys = [key for key, _ in tables.fast]
+    bits, modes, most, per_token = ([row[i] for _, row in tables.fast] for i in range(4))
     address, moe_address = (ctypes.cast(f, ctypes.c_void_p).value for f in (entry, cpu_avx2.library().qp_moe))
     layouts = [str(layout) for layout in GATE_UP_LAYOUTS]
     activations = [str(activation) for activation in MOE_ACTIVATIONS]
-    args = (address, moe_address, keys, bits, modes, most, per_token, AMAX_EPS, activations, layouts)
+    format_keys, format_rows = [key for key, _ in tables.formats], [v for _, row in tables.formats for v in row]
+    args = (address, moe_address, keys, bits, modes, most, per_token, AMAX_EPS, activations, layouts, tables.fp8,
+            tables.fp4, format_keys, format_rows)  # fmt: skip
     torch.ops.quantpass._cpu_op_setup(*args)
     torch.library.register_fake("quantpass::linear_cpu_cxx")(fake_linear)
     torch.library.register_fake("quantpass::fused_moe_cpu_cxx")(fake_moe)

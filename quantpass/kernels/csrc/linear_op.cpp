@@ -11,8 +11,10 @@
 //
 // `quantpass::_cpu_op_setup` hands over, once, the kernels' entry points (qp_linear's and qp_moe's
 // addresses), the table of weight keys the kernels run (key -> (bits, mode, most rows, the activation key
-// a MoE layer quantizes per token in qp_moe or "")), quantpass's AMAX_EPS, and the MoE activations and
-// gate/up layouts in qp_moe's order.
+// a MoE layer quantizes per token in qp_moe or "")), quantpass's AMAX_EPS, the MoE activations and
+// gate/up layouts in qp_moe's order, and the format kernels' (csrc/linear_fp8.c's qp_linear_fp8,
+// csrc/linear_fp4.c's qp_linear_fp4; 0 where one is not built) with their table: "weight key|activation
+// key" -> a `Format` row (kernels/cpu.py's _FORMAT_FAST).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -20,6 +22,7 @@
 #include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <string>
 #include <unordered_map>
 #include <utility>
@@ -39,15 +42,42 @@ using MoeEntry = int (*)(const void *hidden, int htype, int64_t T, int64_t H, co
                          const float *s13, int64_t kp13, const uint8_t *w2, const float *s2, int64_t kp2, int bits,
                          int mode, int per_token, float eps);
 
+// csrc/linear_fp8.c's qp_linear_fp8 and csrc/linear_fp4.c's qp_linear_fp4
+using Fp8Entry = int (*)(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const uint8_t *w, int64_t N,
+                         int64_t kp, const void *ws, const float *lut, int64_t srows, int64_t sld, int64_t group,
+                         int act, int64_t act_group, float act_scale, float eps, const void *bias, int btype,
+                         void *out, int64_t ldo, int otype, int threads);
+using Fp4Entry = int (*)(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, int act, const float *codes,
+                         float eps, const uint8_t *w, const uint8_t *s, const float *lut, int block, int64_t N,
+                         int64_t kp, float g, const void *bias, int btype, void *out, int64_t ldo, int otype,
+                         int threads);
+
 struct Fast {
   int bits, mode;
   int64_t most;           // the most activation rows the kernels take for this format
   std::string per_token;  // the activation key a MoE layer of it quantizes per token in qp_moe ("": none)
 };
 
+// A (weight key, activation key) pair a format kernel runs, as kernels/cpu.py's _FORMAT_FAST gives it.
+struct Format {
+  int64_t family;       // 8: qp_linear_fp8, 4: qp_linear_fp4
+  int64_t most;         // the most activation rows (the family's MAX_M)
+  int64_t srows;        // weight rows per scale row (-1: all of them)
+  int64_t group;        // columns per scale (0: the whole row)
+  int64_t lut;          // address of the scale bytes' fp32 values (0: fp32 scales)
+  int64_t act;          // the kernel's activation mode
+  int64_t act_group;    // FP8: columns per activation scale (0: the row)
+  int64_t codes;        // FP4: address of its code table
+  int64_t input_scale;  // 1: the activation's scale is the checkpoint's (one fp32 value)
+};
+constexpr size_t FORMAT_FIELDS = sizeof(Format) / sizeof(int64_t);
+
 Entry entry = nullptr;
 MoeEntry moe_entry = nullptr;
+Fp8Entry fp8_entry = nullptr;
+Fp4Entry fp4_entry = nullptr;
 std::unordered_map<std::string, Fast> fast;
+std::unordered_map<std::string, Format> formats;
 std::vector<std::string> activations, layouts;  // moe_problem's, in qp_moe's order
 float eps = 0.0f;                               // quantpass's AMAX_EPS, for qp_moe's per-token activations
 
@@ -62,12 +92,23 @@ int type_code(c10::ScalarType type) {  // csrc/linear_avx2.c's F32, BF16, F16; -
 
 void setup(int64_t address, int64_t moe_address, std::vector<std::string> keys, std::vector<int64_t> bits,
            std::vector<int64_t> modes, std::vector<int64_t> most, std::vector<std::string> per_token,
-           double amax_eps, std::vector<std::string> moe_activations, std::vector<std::string> gate_up_layouts) {
+           double amax_eps, std::vector<std::string> moe_activations, std::vector<std::string> gate_up_layouts,
+           int64_t fp8_address, int64_t fp4_address, std::vector<std::string> format_keys,
+           std::vector<int64_t> format_rows) {
   TORCH_CHECK(keys.size() == bits.size() && keys.size() == modes.size() && keys.size() == most.size() &&
                   keys.size() == per_token.size(),
               "quantpass::_cpu_op_setup: keys, bits, modes, most and per_token must have one entry per key");
+  TORCH_CHECK(format_rows.size() == format_keys.size() * FORMAT_FIELDS, "quantpass::_cpu_op_setup: ",
+              FORMAT_FIELDS, " format_rows per format key");
   fast.clear();
   for (size_t i = 0; i < keys.size(); i++) fast[keys[i]] = Fast{(int)bits[i], (int)modes[i], most[i], per_token[i]};
+  formats.clear();
+  for (size_t i = 0; i < format_keys.size(); i++) {
+    const int64_t *r = format_rows.data() + i * FORMAT_FIELDS;
+    formats[format_keys[i]] = Format{r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]};
+  }
+  fp8_entry = reinterpret_cast<Fp8Entry>(fp8_address);
+  fp4_entry = reinterpret_cast<Fp4Entry>(fp4_address);
   eps = (float)amax_eps;
   activations = std::move(moe_activations);
   layouts = std::move(gate_up_layouts);
@@ -95,31 +136,89 @@ at::Tensor generic(const at::Tensor &x, const at::Tensor &w_data, const at::Tens
                  input_scale);
 }
 
+at::Tensor output(const at::Tensor &x, int64_t out_features) {
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
+  shape.push_back(out_features);
+  return at::empty(shape, x.options());
+}
+
+void check_status(int status) {
+  TORCH_CHECK(status == 0, "quantpass's CPU kernel could not allocate its scratch (status ", status, ")");
+}
+
+// kernels/cpu_fp8.py's and cpu_fp4.py's `linear` on rows [m, k] (unit column stride), their checks: the
+// format kernel where they pass (true, `out` written), else false (the Python op then runs the call).
+bool format_kernel(const Format &f, const at::Tensor &x, const at::Tensor &rows, int xtype, const at::Tensor &w_data,
+                   const at::Tensor &w_scale, const std::optional<at::Tensor> &w_scale2,
+                   const std::optional<at::Tensor> &bias, int btype, int64_t out_features,
+                   const std::optional<at::Tensor> &input_scale, at::Tensor &out) {
+  const int64_t m = rows.size(0), k = rows.size(1), N = w_data.size(0);
+  const int64_t kp = f.family == 4 ? w_data.size(1) * 2 : w_data.size(1);
+  const int64_t srows = f.srows < 0 ? std::max<int64_t>(N, 1) : f.srows;
+  const int64_t sld = f.group ? kp / f.group : 1;
+  const bool byte_scales = f.lut != 0 || f.family == 4;
+  if (m > f.most || k > kp || N != out_features || w_data.dim() != 2 || (f.group && kp % f.group) ||
+      w_scale.size(0) != (N + srows - 1) / srows || w_scale.size(1) != sld ||
+      (byte_scales ? w_scale.element_size() != 1 : w_scale.scalar_type() != c10::ScalarType::Float))
+    return false;
+  float act_scale = 0.0f, g = 0.5f;  // FP4's codes are e2m1 values x 2
+  if (f.input_scale) {
+    if (!input_scale || input_scale->numel() != 1 || input_scale->scalar_type() != c10::ScalarType::Float) return false;
+    act_scale = *input_scale->data_ptr<float>();
+  }
+  if (f.family == 4 && w_scale2) {
+    if (w_scale2->numel() != 1 || w_scale2->scalar_type() != c10::ScalarType::Float) return false;
+    g = *w_scale2->data_ptr<float>() / 2;
+  }
+  if (f.family == 8 ? !fp8_entry : !fp4_entry) return false;
+  out = output(x, out_features);
+  const auto *w = static_cast<const uint8_t *>(w_data.data_ptr());
+  const void *b = bias ? bias->data_ptr() : nullptr;
+  const auto *lut = reinterpret_cast<const float *>(f.lut);
+  const int threads = at::get_num_threads();
+  int status;
+  if (f.family == 8)
+    status = fp8_entry(rows.data_ptr(), rows.stride(0), xtype, m, k, w, N, kp, w_scale.data_ptr(), lut, srows, sld,
+                       f.group, (int)f.act, f.act_group, act_scale, eps, b, btype, out.data_ptr(), N, xtype, threads);
+  else
+    status = fp4_entry(rows.data_ptr(), rows.stride(0), xtype, m, k, (int)f.act,
+                       reinterpret_cast<const float *>(f.codes), eps, w,
+                       static_cast<const uint8_t *>(w_scale.data_ptr()), lut, (int)f.group, N, kp, g, b, btype,
+                       out.data_ptr(), N, xtype, threads);
+  if (status == -2) return false;  // a layout the checks above missed: the Python op says what is wrong
+  check_status(status);
+  return true;
+}
+
 at::Tensor linear(const at::Tensor &x, const at::Tensor &w_data, const at::Tensor &w_scale,
                   const std::optional<at::Tensor> &w_scale2, const std::optional<at::Tensor> &bias,
                   c10::string_view weight_key, c10::string_view activation_key, c10::string_view backend,
                   c10::SymInt out_features_sym, const std::optional<at::Tensor> &input_scale) {
   const int64_t out_features = out_features_sym.expect_int();
-  const auto found = entry && activation_key.empty() ? fast.find(std::string(weight_key)) : fast.end();
   const int xtype = type_code(x.scalar_type()), btype = bias ? type_code(bias->scalar_type()) : 0;
-  if (found != fast.end() && xtype >= 0 && btype >= 0 && x.dim() >= 1 && w_scale.dim() == 2 &&
-      w_data.is_contiguous() && w_scale.is_contiguous() && (!bias || bias->is_contiguous())) {
-    const Fast f = found->second;
+  if (xtype >= 0 && btype >= 0 && x.dim() >= 1 && w_scale.dim() == 2 && w_data.is_contiguous() &&
+      w_scale.is_contiguous() && (!bias || bias->is_contiguous())) {
     const at::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
-    const int64_t m = rows.size(0), k = rows.size(1);
-    if (m <= f.most && rows.stride(1) == 1) {
-      std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end() - 1);
-      shape.push_back(out_features);
-      at::Tensor out = at::empty(shape, x.options());
+    const auto found = entry && activation_key.empty() ? fast.find(std::string(weight_key)) : fast.end();
+    if (found != fast.end() && rows.size(0) <= found->second.most && rows.stride(1) == 1) {
+      const Fast f = found->second;
+      at::Tensor out = output(x, out_features);
       const int64_t kp = f.bits == 4 ? w_data.size(1) * 2 : w_data.size(1);
-      const int status = entry(rows.data_ptr(), rows.stride(0), xtype, m, k,
-                               static_cast<const uint8_t *>(w_data.data_ptr()),
-                               static_cast<const float *>(w_scale.data_ptr()), out_features, kp, f.bits,
-                               bias ? bias->data_ptr() : nullptr, btype, out.data_ptr(), out_features, xtype,
-                               f.mode, at::get_num_threads());
-      TORCH_CHECK(status == 0, "quantpass's CPU kernel could not allocate its scratch (status ", status, ")");
+      check_status(entry(rows.data_ptr(), rows.stride(0), xtype, rows.size(0), rows.size(1),
+                         static_cast<const uint8_t *>(w_data.data_ptr()),
+                         static_cast<const float *>(w_scale.data_ptr()), out_features, kp, f.bits,
+                         bias ? bias->data_ptr() : nullptr, btype, out.data_ptr(), out_features, xtype, f.mode,
+                         at::get_num_threads()));
       return out;
     }
+    const auto format = found == fast.end() && rows.stride(1) == 1
+                            ? formats.find(std::string(weight_key) + "|" + std::string(activation_key))
+                            : formats.end();
+    at::Tensor out;
+    if (format != formats.end() &&
+        format_kernel(format->second, x, rows, xtype, w_data, w_scale, w_scale2, bias, btype, out_features,
+                      input_scale, out))
+      return out;
   }
   return generic(x, w_data, w_scale, w_scale2, bias, weight_key, activation_key, backend,
                  c10::SymInt(out_features), input_scale);
@@ -188,7 +287,7 @@ at::Tensor fused_moe(const at::Tensor &hidden, const at::Tensor &topk_weights, c
           f.bits, f.mode, per_token, eps);
       TORCH_CHECK_INDEX(status != -3, "an expert id outside the expert map or [0, ", w13_data.size(0), ") in ",
                         topk_ids);
-      TORCH_CHECK(status == 0, "quantpass's CPU kernel could not allocate its scratch (status ", status, ")");
+      check_status(status);
       return out.reshape(hidden.sizes());
     }
   }
@@ -214,7 +313,8 @@ TORCH_LIBRARY_FRAGMENT(quantpass, m) {
       {at::Tag::needs_fixed_stride_order});
   m.def(
       "_cpu_op_setup(int address, int moe_address, str[] keys, int[] bits, int[] modes, int[] most, "
-      "str[] per_token, float amax_eps, str[] moe_activations, str[] gate_up_layouts) -> ()",
+      "str[] per_token, float amax_eps, str[] moe_activations, str[] gate_up_layouts, int fp8_address, "
+      "int fp4_address, str[] format_keys, int[] format_rows) -> ()",
       &setup);
 }
 
