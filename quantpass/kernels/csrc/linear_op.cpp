@@ -14,7 +14,7 @@
 // a MoE layer quantizes per token in qp_moe or "")), quantpass's AMAX_EPS, the MoE activations and
 // gate/up layouts in qp_moe's order, and the format kernels' (csrc/linear_fp8.c's qp_linear_fp8,
 // csrc/linear_fp4.c's qp_linear_fp4; 0 where one is not built) with their table: "weight key|activation
-// key" -> a `Format` row (kernels/cpu.py's _FORMAT_FAST).
+// key" -> a `Format` row (kernels/cpu.py's graph_tables).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -58,7 +58,7 @@ struct Fast {
   std::string per_token;  // the activation key a MoE layer of it quantizes per token in qp_moe ("": none)
 };
 
-// A (weight key, activation key) pair a format kernel runs, as kernels/cpu.py's _FORMAT_FAST gives it.
+// A (weight key, activation key) pair a format kernel runs, as kernels/cpu.py's graph_tables gives it.
 struct Format {
   int64_t family;       // 8: qp_linear_fp8, 4: qp_linear_fp4
   int64_t most;         // the most activation rows (the family's MAX_M)
