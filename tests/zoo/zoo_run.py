@@ -30,18 +30,24 @@ from zoo_models import Arch
 import quantpass as qp
 from quantpass.metrics import cosine
 
-FORMATS = ("int8_weight_only", "fp8_per_channel", "nvfp4")
+FORMATS = ("int8_weight_only", "fp8_per_channel", "nvfp4", "mxfp8")
 # Floors on the cosine of the model's output to eager's, (dense models, MoE models). Measured over
 # every zoo cell that runs (2026-12-01, tests/zoo/generate.py; docs/model-support.md lists each):
 # the worst working dense cell gave INT8 weight-only 0.9997, FP8 per-channel 0.9932, NVFP4 0.9108
 # (4-bit weights and activations through 2 layers of std-0.1 random weights); the worst MoE cell
 # 0.9996 / 0.9728 / 0.8676, lower because a quantized layer before a router flips near-tied top-k
-# picks (FP8's 3-bit mantissa: weights at ~31 dB SQNR against INT8's ~44). The floors leave room
+# picks (FP8's 3-bit mantissa: weights at ~31 dB SQNR against INT8's ~44). MXFP8 (W8A8, power-of-two
+# scales per 32; added 2026-12-02): worst dense 0.9918, worst MoE 0.9894. The floors leave room
 # for other CPUs' rounding. What a broken layer gives: zeroing any one eligible layer of any zoo
 # model (eager, 517 layers) drops the cosine below 0.998 for 93% of them, below 0.985 for 79%,
 # below 0.85 for 42%. So the end-to-end cosine is the coarse check; verify's per-layer SQNR is the
 # fine one.
-COSINE_FLOOR = {"int8_weight_only": (0.998, 0.998), "fp8_per_channel": (0.985, 0.95), "nvfp4": (0.85, 0.8)}
+COSINE_FLOOR = {
+    "int8_weight_only": (0.998, 0.998),
+    "fp8_per_channel": (0.985, 0.95),
+    "nvfp4": (0.85, 0.8),
+    "mxfp8": (0.985, 0.95),
+}
 COVERAGE = 0.9  # the issue's requirement: >= 90% of eligible weight layers quantized
 DEFAULT_IGNORE = "left alone by default"
 NOT_A_LAYER = (nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
