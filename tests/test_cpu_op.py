@@ -1,7 +1,7 @@
 """The cpu backend's C++ graph op (`quantpass::linear_cpu_cxx`, csrc/linear_op.cpp): on every route it
 gives exactly what the Python `quantpass::linear_cpu` gives (the same kernel on its fast path, INT8/INT4
-and every FP8/FP4 pair, that op itself off it), compiled graphs call it, and where it can't be built the reason is named and graphs
-use the Python op."""
+and every FP8/FP4 pair, that op itself off it), compiled graphs call it, and where it can't be built the
+reason is named and graphs use the Python op."""
 
 from dataclasses import replace
 
@@ -146,5 +146,5 @@ def test_unavailable_reasons(monkeypatch):
         pytest.skip(f"the C kernels can't run here: {cpu_avx2.available()[1]}")
     monkeypatch.setenv("CXX", "/nonexistent/c++")
     assert load(TABLES) == (None, "building csrc/linear_op.cpp with /nonexistent/c++ failed")
-    monkeypatch.setattr(cpu_op, "op", lambda fast: None)
+    monkeypatch.setattr(cpu_op, "op", lambda tables: None)
     assert cpu.graph_linear_op("cpu") is PYTHON
