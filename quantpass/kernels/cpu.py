@@ -17,9 +17,10 @@ Every weight has one prepared copy: ours is the quantized weight itself; aten's 
 large-M path dequantizes per call. A compiled graph calls `quantpass::linear_cpu_cxx` (C++,
 cpu_op.py; INT8/INT4 and the format kernels' pairs, `graph_tables`) or, where that can't be built,
 `quantpass::linear_cpu` (`graph_linear_op`): both go straight to our kernel when they can.
-`fused_moe` runs a MoE layer (weight-only, INT8/FP8/MXFP8 W8A8, NVFP4 W4A4) in one C call (`_moe_on_our_kernels`, `cpu_avx2.moe_layer` with each kernel library's
-`moe_experts`; graphs call `quantpass::fused_moe_cpu_cxx`, C++ for INT8 and INT4, or
-`quantpass::fused_moe_cpu`, `graph_moe_op`) and anything else as `_per_expert_loop`.
+`fused_moe` runs a MoE layer (weight-only, INT8/FP8/MXFP8 W8A8, NVFP4 W4A4) in one C call
+(`_moe_on_our_kernels`, `cpu_avx2.moe_layer` with each kernel library's `moe_experts`; graphs call
+`quantpass::fused_moe_cpu_cxx`, C++ for INT8 and INT4, or `quantpass::fused_moe_cpu`,
+`graph_moe_op`) and anything else as `_per_expert_loop`.
 aten's INT4 layout is read back in cpu_aten_int4.py. Measurements: bench/README.md ("CPU decode at the
 bandwidth limit", "MoE at decode", "Results: CPU").
 """

@@ -13,9 +13,10 @@ only in the order of fp32 sums. Where the CPU has AVX-512 BF16, bf16 activations
 ones (their codes, the scales applied to each weight group's sum; MXFP8's power-of-two scales folded
 into the bf16 weights and activations) multiply on bf16 tiles instead (`tiles`, TILES; on Zen 4
 1.3-1.6x faster at M = 1, 1.5-2.1x at M = 4 and 16, MXFP8 as fast as per-channel FP8): exact products
-again (W8A8: of the codes), other fp32 roundings. Above `MAX_M` rows the `reference`
-backend runs the call (one fp32 GEMM on the dequantized weight is faster there). `moe_experts` hands a MoE layer's experts to the
-kernel's one-call MoE entry (kernels/cpu.py, `_moe_on_our_kernels`)."""
+again (W8A8: of the codes), other fp32 roundings. Above `MAX_M` rows the `reference` backend runs the
+call (one fp32 GEMM on the dequantized weight is faster there). `moe_experts` hands a MoE layer's
+experts to the kernel's one-call MoE entry (kernels/cpu.py, `_moe_on_our_kernels`); `graph_entry`
+gives the C++ graph op what it needs to call the kernel itself."""
 
 from __future__ import annotations
 
@@ -130,14 +131,14 @@ def graph_entry() -> tuple[int, dict[tuple[str, str], dict[str, int]]]:
     lib, ok, _ = _library()
     rows = {}
     for key, activations in MODES.items():
-        shape, lut = key.group_shape, _lut(key) or 0
+        lut = _lut(key) or 0
         for activation in activations:
             act, act_group = ACTS.get(activation, (0, 0))
             rows[str(key), "" if activation is None else str(activation)] = {
                 "family": 8,
                 "most": MAX_M,
-                "srows": shape.row,
-                "group": max(shape.col, 0),
+                "srows": key.group_shape.row,  # -1: all of them
+                "group": _columns_per_scale(key),
                 "lut": lut,
                 "act": act,
                 "act_group": act_group,
@@ -188,6 +189,11 @@ def _scales(key, scale: torch.Tensor) -> tuple[torch.Tensor, int | None]:
     return (scale.float() if lut is None else scale.view(torch.uint8)), lut
 
 
+def _columns_per_scale(key) -> int:
+    """Weight columns per scale of the key's grid, 0 for one scale over the whole row."""
+    return 0 if key.group_shape.col == -1 else key.group_shape.col
+
+
 def _lut(key) -> int | None:
     """The address of the fp32 values of the key's scale bytes (MXFP8's e8m0), None for fp32 scales."""
     return scale_table(E8M0).data_ptr() if key.scale.dtype == E8M0 else None
@@ -213,9 +219,9 @@ def _scale_grid(weight: QTensor) -> tuple[int, int, int]:
 def _grid(key, data_shape, scale_shape, what) -> tuple[int, int, int]:
     """`_scale_grid` of data [rows, kp] and its scales; `what` names them in the error."""
     rows, kp = data_shape
-    shape = key.group_shape
-    srows = rows if shape.row == -1 else shape.row  # -1: the whole dimension
-    group = 0 if shape.col == -1 else shape.col
+    row_group = key.group_shape.row
+    srows = rows if row_group == -1 else row_group  # -1: the whole dimension
+    group = _columns_per_scale(key)
     want = (-(-rows // srows), 1 if group == 0 else -(-kp // group))
     if tuple(scale_shape) != want or (group and (group % 16 or kp % group)):
         raise ValueError(f"FP8 kernel scales: want {want} for {what}, got {tuple(scale_shape)}")
