@@ -67,7 +67,7 @@ FORMAT_FIELDS = ("family", "most", "srows", "group", "lut", "act", "act_group", 
 
 @dataclass(frozen=True)
 class Tables:
-    """What the C++ ops are set up with (kernels/cpu.py's `graph_tables`). `fast`: (weight key, (bits,
+    """What the C++ ops are set up with (kernels/cpu_graph.py's `graph_tables`). `fast`: (weight key, (bits,
     mode, most rows, the activation key a MoE layer quantizes per token or "")) for qp_linear and
     qp_moe; `formats`: ("weight key|activation key", a row in FORMAT_FIELDS' order) for the format
     kernels, whose entry points are `fp8` (qp_linear_fp8) and `fp4` (qp_linear_fp4), addresses (0: not
