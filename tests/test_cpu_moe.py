@@ -294,27 +294,45 @@ def test_graph_ops_have_the_generic_ops_arguments():
         assert torch.equal(op(*args), generic(*args))
 
 
+def calls_the_python_op(op, args) -> tuple[torch.Tensor, bool]:
+    """(op's output for args, whether the Python MoE op ran inside it), seen by the profiler."""
+    with torch.profiler.profile() as prof:
+        out = op(*args)
+    return out, "quantpass::fused_moe_cpu" in [event.name for event in prof.events()]
+
+
 @pytest.mark.skipif(cpu.graph_moe_op("cpu") is PYTHON_MOE, reason="no C++ op here")
 def test_cxx_op_is_the_python_op():
-    """The C++ MoE op (csrc/linear_op.cpp) against the Python one on their fast path (every case above,
-    3-D hidden too) and off it (an activation key, more tokens than the kernels' largest M, NVFP4):
-    equal bit for bit, and the same error for a bad expert id."""
+    """The C++ MoE op (csrc/linear_op.cpp) against the Python one, equal bit for bit: on its fast path
+    (every pair the kernels run in one call, INT8/INT4 and the FP8 and FP4 formats, every case above,
+    3-D hidden too) without calling the Python op, and off it (more tokens than the kernel's largest M,
+    experts not stored contiguously, FP8 scales in another dtype) through it; and the same error for a
+    bad expert id."""
     cxx = cpu.graph_moe_op("cpu")
     problems = [fast_problem(pair, *case[:-1]) for pair in FAST_PAIRS for case in FAST_CASES]
     problems.append(replace(problems[0], hidden=problems[0].hidden[None], topk_ids=problems[0].topk_ids[None]))
-    w8a8 = moe_args((keys.kInt8StaticChannelSym, keys.kInt8DynamicTokenSym), 5, None, False, "silu", "concat", False)
-    most = cpu.OURS_MAX_M[keys.kInt4StaticGroup128Sym]
-    long = fast_problem(
-        (keys.kInt4StaticGroup128Sym, None), most + 1, None, False, "silu", "concat", False, torch.bfloat16, 2
-    )
-    nvfp4 = moe_args((keys.kNvfp4Static, None), 5, None, True, "swigluoai", "interleaved", False)
-    for problem in (*problems, w8a8, long, nvfp4):
+    for problem in problems:
         args = graph_args(problem)
-        assert torch.equal(cxx(*args), PYTHON_MOE(*args))
-    bad = graph_args(replace(problems[0], topk_ids=problems[0].topk_ids + 8))
-    for op in (cxx, PYTHON_MOE):
-        with pytest.raises(IndexError, match=r"outside the expert map or \[0, 8\)"):
-            op(*bad)
+        out, python = calls_the_python_op(cxx, args)
+        assert torch.equal(out, PYTHON_MOE(*args)) and not python, (problem.w13.key, problem.activation_key)
+
+    def long(pair, most):
+        return fast_problem(pair, most + 1, None, False, "silu", "concat", False, torch.bfloat16, 2)
+
+    int4, fp8 = (keys.kInt4StaticGroup128Sym, None), (keys.kFp8StaticChannelSym, None)
+    nvfp4 = fast_problem((keys.kNvfp4Static, None), *FAST_CASES[1][:-1])
+    strided = replace(nvfp4, w13=replace(nvfp4.w13, data=nvfp4.w13.data.transpose(1, 2).contiguous().transpose(1, 2)))
+    fp8_problem = fast_problem(fp8, *FAST_CASES[2][:-1])
+    half_scales = replace(fp8_problem, w2=replace(fp8_problem.w2, scale=fp8_problem.w2.scale.half()))
+    for problem in (long(int4, cpu.OURS_MAX_M[int4[0]]), long(fp8, cpu_fp8.MAX_M), strided, half_scales):
+        args = graph_args(problem, (problem.w13, problem.w2))  # as they are: not made contiguous
+        out, python = calls_the_python_op(cxx, args)
+        assert torch.equal(out, PYTHON_MOE(*args)) and python, (problem.w13.key, problem.hidden.shape)
+    for problem in (problems[0], nvfp4, fp8_problem):
+        bad = graph_args(replace(problem, topk_ids=problem.topk_ids + 8))
+        for op in (cxx, PYTHON_MOE):
+            with pytest.raises(IndexError, match=r"outside the expert map or \[0, \d\)"):
+                op(*bad)
 
 
 def test_compiled_moe_calls_the_graph_op_positionally():
@@ -347,7 +365,7 @@ def test_a_compiled_gpt_oss_runs_its_mxfp4_experts_in_one_call(monkeypatch):
 
     import quantpass as qp
 
-    found = []
+    found = []  # the Python op's one-call arguments (where the C++ op can't be built, it runs the layer)
     moe_experts = cpu.cpu_fp4.moe_experts
     monkeypatch.setattr(cpu.cpu_fp4, "moe_experts", lambda *a: found.append(moe_experts(*a)) or found[-1])
     model, ids = tiny_moe("gpt_oss", "grouped_mm"), token_ids(batch=1, length=1)
@@ -358,6 +376,11 @@ def test_a_compiled_gpt_oss_runs_its_mxfp4_experts_in_one_call(monkeypatch):
     with torch.no_grad():
         compiled(ids)  # the compile
         found.clear()
-        got = compiled(ids).logits
-    assert len(found) == model.config.num_hidden_layers and all(f is not None for f in found), found
+        with torch.profiler.profile() as prof:
+            got = compiled(ids).logits
+    layers, names = model.config.num_hidden_layers, [event.name for event in prof.events()]
+    if cpu.graph_moe_op("cpu") is PYTHON_MOE:
+        assert len(found) == layers and all(f is not None for f in found), found
+    else:  # the C++ op runs qp_moe_fp4 itself
+        assert names.count("quantpass::fused_moe_cpu_cxx") == layers and "quantpass::fused_moe_cpu" not in names
     assert torch.nn.functional.cosine_similarity(want.float().flatten(), got.float().flatten(), dim=0) > 0.999

@@ -246,6 +246,12 @@ def entry_point():
     return None if lib is None else lib.qp_linear
 
 
+def addresses(lib: ctypes.CDLL | None, *names: str) -> tuple[int, ...]:
+    """The addresses of these entry points of a loaded kernel library (0 each where `lib` is None), for
+    the C++ graph ops."""
+    return tuple(0 if lib is None else ctypes.cast(getattr(lib, name), ctypes.c_void_p).value for name in names)
+
+
 @functools.cache
 def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     if not envs.cpu_kernel_enabled():

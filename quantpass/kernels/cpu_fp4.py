@@ -116,10 +116,11 @@ def linear(
     return out
 
 
-def graph_entry() -> tuple[int, dict[tuple[str, str], dict[str, int]]]:
-    """What the C++ graph op (csrc/linear_op.cpp) calls for this kernel: qp_linear_fp4's address (0 where it
-    is not built) and, per (weight key, activation key) it runs, the call's constants by
-    cpu_op.FORMAT_FIELDS (those `linear` derives from the key; the tensors' come with each call)."""
+def graph_entry() -> tuple[tuple[int, int], dict[tuple[str, str], dict[str, int]]]:
+    """What the C++ graph ops (csrc/linear_op.cpp) call for this kernel: qp_linear_fp4's and qp_moe_fp4's
+    addresses ((0, 0) where it is not built) and, per (weight key, activation key) it runs, the call's
+    constants by cpu_op.FORMAT_FIELDS (those `linear` and `moe_experts` derive from the key; the tensors'
+    come with each call)."""
     lib, ok, _ = _library()
     rows = {
         (str(key), "" if activation is None else str(activation)): {
@@ -132,11 +133,12 @@ def graph_entry() -> tuple[int, dict[tuple[str, str], dict[str, int]]]:
             "act_group": 0,
             "codes": fp4_code_table().data_ptr(),
             "input_scale": 0,
+            "moe": int(activation in MOE_ACTIVATIONS),
         }
         for key, modes in MODES.items()
         for activation in modes
     }
-    return (ctypes.cast(lib.qp_linear_fp4, ctypes.c_void_p).value if ok else 0), rows
+    return cpu_avx2.addresses(lib if ok else None, "qp_linear_fp4", "qp_moe_fp4"), rows
 
 
 def moe_experts(key, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2, activation=None, input_scales=()):

@@ -124,10 +124,11 @@ def linear(
     return out
 
 
-def graph_entry() -> tuple[int, dict[tuple[str, str], dict[str, int]]]:
-    """What the C++ graph op (csrc/linear_op.cpp) calls for this kernel: qp_linear_fp8's address (0 where it
-    is not built) and, per (weight key, activation key) it runs, the call's constants by
-    cpu_op.FORMAT_FIELDS (those `linear` derives from the key; the tensors' come with each call)."""
+def graph_entry() -> tuple[tuple[int, int], dict[tuple[str, str], dict[str, int]]]:
+    """What the C++ graph ops (csrc/linear_op.cpp) call for this kernel: qp_linear_fp8's and qp_moe_fp8's
+    addresses ((0, 0) where it is not built) and, per (weight key, activation key) it runs, the call's
+    constants by cpu_op.FORMAT_FIELDS (those `linear` and `moe_experts` derive from the key; the tensors'
+    come with each call)."""
     lib, ok, _ = _library()
     rows = {}
     for key, activations in MODES.items():
@@ -144,8 +145,9 @@ def graph_entry() -> tuple[int, dict[tuple[str, str], dict[str, int]]]:
                 "act_group": act_group,
                 "codes": 0,
                 "input_scale": int(act == STATIC),
+                "moe": int(activation in MOE_ACTIVATIONS),
             }
-    return (ctypes.cast(lib.qp_linear_fp8, ctypes.c_void_p).value if ok else 0), rows
+    return cpu_avx2.addresses(lib if ok else None, "qp_linear_fp8", "qp_moe_fp8"), rows
 
 
 def tiles(name: str | None = None) -> str:

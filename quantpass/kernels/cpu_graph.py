@@ -2,7 +2,7 @@
 backend (`graph_linear_op`, `graph_moe_op`).
 
 `quantpass::linear_cpu_cxx` and `quantpass::fused_moe_cpu_cxx` (C++, cpu_op.py) where they build, set
-up with `graph_tables` (INT8/INT4 for both, the FP8/FP4 format kernels' pairs for linears); else
+up with `graph_tables` (INT8/INT4 and the FP8/FP4 format kernels' pairs, for both); else
 `quantpass::linear_cpu` and `quantpass::fused_moe_cpu`, defined here: `quantpass::linear`'s and
 `quantpass::fused_moe`'s arguments as plain torch.library ops, which go straight to our kernel where
 they can and through kernels/cpu.py's `linear` / `fused_moe` paths otherwise, as the generic ops would.
@@ -28,7 +28,7 @@ _LIBRARY.define(
 def graph_tables() -> cpu_op.Tables:
     """The C++ graph ops' tables: our INT kernels' (`cpu._FAST`) and each format kernel's pairs with its entry."""
     (fp8, rows8), (fp4, rows4) = cpu_fp8.graph_entry(), cpu_fp4.graph_entry()
-    rows = {**(rows8 if fp8 else {}), **(rows4 if fp4 else {})}
+    rows = {**(rows8 if fp8[0] else {}), **(rows4 if fp4[0] else {})}
     formats = tuple(
         sorted((f"{key}|{activation}", tuple(row[f] for f in cpu_op.FORMAT_FIELDS)) for (key, activation), row in rows.items())
     )  # fmt: skip

@@ -6,8 +6,8 @@ At decode each linear's op runs right after the previous kernel streamed megabyt
 through the caches, so every interpreted step of a Python op body is a cache miss: the C++ ops do
 the same checks and call the kernels' entry points directly (bench/README.md, "CPU decode at the
 bandwidth limit", "MoE at decode" and "FP8 and FP4 linears in the C++ graph op" have the
-measurements): INT8/INT4 (qp_linear, qp_moe) and, for linears, the FP8 and FP4 kernels
-(qp_linear_fp8, qp_linear_fp4; their MoE layers go through the Python op). Their schemas are
+measurements): INT8/INT4 (qp_linear, qp_moe) and the FP8 and FP4 kernels (qp_linear_fp8, qp_moe_fp8,
+qp_linear_fp4, qp_moe_fp4). Their schemas are
 `quantpass::linear_cpu`'s and `quantpass::fused_moe_cpu`'s, and anything off their fast paths goes to
 those ops, so both always agree.
 
@@ -20,7 +20,6 @@ the reason in the log, and graphs call the Python ops.
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import os
@@ -62,7 +61,7 @@ def fake_moe(hidden, *args):
 
 
 # csrc/linear_op.cpp's `Format`: a row of `Tables.formats`
-FORMAT_FIELDS = ("family", "most", "srows", "group", "lut", "act", "act_group", "codes", "input_scale")
+FORMAT_FIELDS = ("family", "most", "srows", "group", "lut", "act", "act_group", "codes", "input_scale", "moe")
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,13 @@ class Tables:
     """What the C++ ops are set up with (kernels/cpu_graph.py's `graph_tables`). `fast`: (weight key, (bits,
     mode, most rows, the activation key a MoE layer quantizes per token or "")) for qp_linear and
     qp_moe; `formats`: ("weight key|activation key", a row in FORMAT_FIELDS' order) for the format
-    kernels, whose entry points are `fp8` (qp_linear_fp8) and `fp4` (qp_linear_fp4), addresses (0: not
-    built)."""
+    kernels, whose entry points are `fp8` (qp_linear_fp8, qp_moe_fp8) and `fp4` (qp_linear_fp4,
+    qp_moe_fp4), addresses (0: not built)."""
 
     fast: tuple[tuple[str, tuple[int, int, int, str]], ...]
     formats: tuple[tuple[str, tuple[int, ...]], ...] = ()
-    fp8: int = 0
-    fp4: int = 0
+    fp8: tuple[int, int] = (0, 0)
+    fp4: tuple[int, int] = (0, 0)
 
 
 def op(tables: Tables):
@@ -115,12 +114,12 @@ def _load(tables: Tables):
         return None, f"building csrc/{SOURCE.name} with {compiler} failed"
     keys = [key for key, _ in tables.fast]
     bits, modes, most, per_token = ([row[i] for _, row in tables.fast] for i in range(4))
-    address, moe_address = (ctypes.cast(f, ctypes.c_void_p).value for f in (entry, cpu_avx2.library().qp_moe))
+    address, moe_address = cpu_avx2.addresses(cpu_avx2.library(), "qp_linear", "qp_moe")
     layouts = [str(layout) for layout in GATE_UP_LAYOUTS]
     activations = [str(activation) for activation in MOE_ACTIVATIONS]
     format_keys, format_rows = [key for key, _ in tables.formats], [v for _, row in tables.formats for v in row]
-    args = (address, moe_address, keys, bits, modes, most, per_token, AMAX_EPS, activations, layouts, tables.fp8,
-            tables.fp4, format_keys, format_rows)  # fmt: skip
+    args = (address, moe_address, keys, bits, modes, most, per_token, AMAX_EPS, activations, layouts, tables.fp8[0],
+            tables.fp4[0], tables.fp8[1], tables.fp4[1], format_keys, format_rows)  # fmt: skip
     torch.ops.quantpass._cpu_op_setup(*args)
     torch.library.register_fake("quantpass::linear_cpu_cxx")(fake_linear)
     torch.library.register_fake("quantpass::fused_moe_cpu_cxx")(fake_moe)

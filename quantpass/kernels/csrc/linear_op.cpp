@@ -4,17 +4,17 @@
 //
 // Built and loaded at run time by quantpass/kernels/cpu_op.py against the running torch's headers
 // (only the few this file names, so it builds in seconds). The schemas are those of
-// quantpass::linear_cpu and quantpass::fused_moe_cpu (defined in Python, kernels/cpu.py), the generic
-// ops' arguments (input scales: a static activation key's); where the fast path does not apply (an
-// activation key, M or T above the format's limit, a format other than INT8/INT4, a layout or dtype the
-// kernels don't read), these ops call the Python ones, so both always give the same result.
+// quantpass::linear_cpu and quantpass::fused_moe_cpu (defined in Python, kernels/cpu_graph.py), the
+// generic ops' arguments (input scales: a static activation key's); where the fast path does not apply (a
+// pair no kernel runs, M or T above the format's limit, a layout or dtype the kernels don't read), these
+// ops call the Python ones, so both always give the same result.
 //
 // `quantpass::_cpu_op_setup` hands over, once, the kernels' entry points (qp_linear's and qp_moe's
 // addresses), the table of weight keys the kernels run (key -> (bits, mode, most rows, the activation key
 // a MoE layer quantizes per token in qp_moe or "")), quantpass's AMAX_EPS, the MoE activations and
-// gate/up layouts in qp_moe's order, and the format kernels' (csrc/linear_fp8.c's qp_linear_fp8,
-// csrc/linear_fp4.c's qp_linear_fp4; 0 where one is not built) with their table: "weight key|activation
-// key" -> a `Format` row (kernels/cpu.py's graph_tables).
+// gate/up layouts in qp_moe's order, and the format kernels' (csrc/linear_fp8.c's qp_linear_fp8 and
+// qp_moe_fp8, csrc/linear_fp4.c's qp_linear_fp4 and qp_moe_fp4; 0 where one is not built) with their
+// table: "weight key|activation key" -> a `Format` row (kernels/cpu_graph.py's graph_tables).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -52,13 +52,27 @@ using Fp4Entry = int (*)(const void *x, int64_t ldx, int xtype, int64_t M, int64
                          int64_t kp, float g, const void *bias, int btype, void *out, int64_t ldo, int otype,
                          int threads);
 
+// csrc/moe_layer.h's MOE_PARAMS, the layer's arguments every MoE entry takes first
+#define MOE_PARAMS                                                                                           \
+  const void *, int, int64_t, int64_t, const int64_t *, int64_t, const void *, int, int64_t, const void *, int, \
+      int, int64_t, int64_t, const void *, const void *, int, int, int, float, float, void *, int, int64_t
+// csrc/linear_fp8.c's qp_moe_fp8 and csrc/linear_fp4.c's qp_moe_fp4: the layer's, then the experts'
+using Fp8MoeEntry = int (*)(MOE_PARAMS, const uint8_t *w13, const void *s13, int64_t kp13, int64_t srows13,
+                            int64_t sld13, const uint8_t *w2, const void *s2, int64_t kp2, int64_t srows2,
+                            int64_t sld2, int64_t group, const float *lut, int xq, int64_t xq_group,
+                            const float *xq13, const float *xq2, float eps);
+using Fp4MoeEntry = int (*)(MOE_PARAMS, const uint8_t *w13, const uint8_t *ws13, int64_t kp13, const float *g13,
+                            const uint8_t *w2, const uint8_t *ws2, int64_t kp2, const float *g2, int block,
+                            const float *lut, int xq, const void *codes, float eps);
+#undef MOE_PARAMS
+
 struct Fast {
   int bits, mode;
   int64_t most;           // the most activation rows the kernels take for this format
   std::string per_token;  // the activation key a MoE layer of it quantizes per token in qp_moe ("": none)
 };
 
-// A (weight key, activation key) pair a format kernel runs, as kernels/cpu.py's graph_tables gives it.
+// A (weight key, activation key) pair a format kernel runs, as kernels/cpu_graph.py's graph_tables gives it.
 struct Format {
   int64_t family;       // 8: qp_linear_fp8, 4: qp_linear_fp4
   int64_t most;         // the most activation rows (the family's MAX_M)
@@ -68,7 +82,8 @@ struct Format {
   int64_t act;          // the kernel's activation mode
   int64_t act_group;    // FP8: columns per activation scale (0: the row)
   int64_t codes;        // FP4: address of its code table
-  int64_t input_scale;  // 1: the activation's scale is the checkpoint's (one fp32 value)
+  int64_t input_scale;  // 1: the activation's scale is the checkpoint's (one fp32 value; MoE: one per expert)
+  int64_t moe;          // 1: a MoE layer of this pair runs in one call (qp_moe_fp8, qp_moe_fp4)
 };
 constexpr size_t FORMAT_FIELDS = sizeof(Format) / sizeof(int64_t);
 
@@ -76,6 +91,8 @@ Entry entry = nullptr;
 MoeEntry moe_entry = nullptr;
 Fp8Entry fp8_entry = nullptr;
 Fp4Entry fp4_entry = nullptr;
+Fp8MoeEntry fp8_moe_entry = nullptr;
+Fp4MoeEntry fp4_moe_entry = nullptr;
 std::unordered_map<std::string, Fast> fast;
 std::unordered_map<std::string, Format> formats;
 std::vector<std::string> activations, layouts;  // moe_problem's, in qp_moe's order
@@ -93,8 +110,8 @@ int type_code(c10::ScalarType type) {  // csrc/linear_avx2.c's F32, BF16, F16; -
 void setup(int64_t address, int64_t moe_address, std::vector<std::string> keys, std::vector<int64_t> bits,
            std::vector<int64_t> modes, std::vector<int64_t> most, std::vector<std::string> per_token,
            double amax_eps, std::vector<std::string> moe_activations, std::vector<std::string> gate_up_layouts,
-           int64_t fp8_address, int64_t fp4_address, std::vector<std::string> format_keys,
-           std::vector<int64_t> format_rows) {
+           int64_t fp8_address, int64_t fp4_address, int64_t fp8_moe_address, int64_t fp4_moe_address,
+           std::vector<std::string> format_keys, std::vector<int64_t> format_rows) {
   TORCH_CHECK(keys.size() == bits.size() && keys.size() == modes.size() && keys.size() == most.size() &&
                   keys.size() == per_token.size(),
               "quantpass::_cpu_op_setup: keys, bits, modes, most and per_token must have one entry per key");
@@ -105,10 +122,12 @@ void setup(int64_t address, int64_t moe_address, std::vector<std::string> keys, 
   formats.clear();
   for (size_t i = 0; i < format_keys.size(); i++) {
     const int64_t *r = format_rows.data() + i * FORMAT_FIELDS;
-    formats[format_keys[i]] = Format{r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8]};
+    formats[format_keys[i]] = Format{r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], r[9]};
   }
   fp8_entry = reinterpret_cast<Fp8Entry>(fp8_address);
   fp4_entry = reinterpret_cast<Fp4Entry>(fp4_address);
+  fp8_moe_entry = reinterpret_cast<Fp8MoeEntry>(fp8_moe_address);
+  fp4_moe_entry = reinterpret_cast<Fp4MoeEntry>(fp4_moe_address);
   eps = (float)amax_eps;
   activations = std::move(moe_activations);
   layouts = std::move(gate_up_layouts);
@@ -234,7 +253,7 @@ using MoeSignature = at::Tensor(const at::Tensor &, const at::Tensor &, const at
                                 c10::string_view, bool, c10::SymInt, double, double, const OptTensor &,
                                 const OptTensor &);
 
-// quantpass::fused_moe_cpu (kernels/cpu.py): the Python op, for everything off the fast path
+// quantpass::fused_moe_cpu (kernels/cpu_graph.py): the Python op, for everything off the fast path
 template <class... Args>
 at::Tensor generic_moe(Args &&...args) {
   static const auto op =
@@ -244,7 +263,97 @@ at::Tensor generic_moe(Args &&...args) {
 
 bool contiguous(const OptTensor &t) { return !t || t->is_contiguous(); }
 
-// kernels/cpu.py's _moe_on_our_kernels, the same checks: qp_moe where they pass, else the Python op.
+bool stacked(const at::Tensor &t) { return t.dim() == 3 && t.is_contiguous(); }  // kernels' [E, ...] experts
+
+// A MoE layer's own arguments, checked as kernels/cpu_avx2.py's moe_layer checks them, for any MoE entry:
+// csrc/moe_layer.h's MOE_PARAMS come from here, then the format's experts.
+struct Layer {
+  at::Tensor rows, router, ids;  // hidden [T, H], the router weights and expert ids [T, k]
+  const OptTensor &expert_map, &b13, &b2;
+  int htype, rtype, btype, act, layout;
+  bool on_input;
+  int64_t E, I;
+  double alpha, limit;
+
+  template <class MoeEntryT, class... Experts>
+  at::Tensor run(MoeEntryT moe, int64_t most, Experts... experts) const {
+    at::Tensor out = at::empty_like(rows);
+    const int64_t T = rows.size(0);
+    const int status =
+        moe(rows.data_ptr(), htype, T, rows.size(1), ids.data_ptr<int64_t>(), ids.size(1),
+            expert_map ? expert_map->data_ptr() : nullptr, expert_map ? (int)expert_map->element_size() : 0,
+            expert_map ? expert_map->numel() : 0, router.data_ptr(), rtype, on_input, E, I,
+            b13 ? b13->data_ptr() : nullptr, b2 ? b2->data_ptr() : nullptr, btype, act, layout, (float)alpha,
+            (float)limit, out.data_ptr(), at::get_num_threads(), most, experts...);
+    TORCH_CHECK_INDEX(status != -3, "an expert id outside the expert map or [0, ", E, ") in ", ids);
+    check_status(status);
+    return out;
+  }
+};
+
+const uint8_t *bytes(const at::Tensor &t) { return static_cast<const uint8_t *>(t.data_ptr()); }
+
+// kernels/cpu_fp8.py's moe_experts (its `_grid` and `_scales` checks): qp_moe_fp8 where they pass, else
+// an undefined tensor (the Python op then runs the layer).
+at::Tensor fp8_moe(const Format &f, const Layer &layer, const at::Tensor &w13_data, const at::Tensor &w13_scale,
+                   const at::Tensor &w2_data, const at::Tensor &w2_scale, const OptTensor &w13_input_scale,
+                   const OptTensor &w2_input_scale) {
+  const int64_t E = layer.E;
+  int64_t kp[2], srows[2], sld[2];
+  const at::Tensor *data[2] = {&w13_data, &w2_data}, *scale[2] = {&w13_scale, &w2_scale};
+  for (int i = 0; i < 2; i++) {
+    const int64_t rows = data[i]->size(1), cols = data[i]->size(2);
+    srows[i] = std::max<int64_t>(f.srows < 0 ? rows : f.srows, 1);
+    sld[i] = f.group ? (cols + f.group - 1) / f.group : 1;
+    kp[i] = cols;
+    if (!stacked(*scale[i]) || data[i]->size(0) != E || scale[i]->size(0) != E ||
+        scale[i]->size(1) != (rows + srows[i] - 1) / srows[i] || scale[i]->size(2) != sld[i] ||
+        (f.group && (f.group % 16 || cols % f.group)) ||
+        (f.lut ? scale[i]->element_size() != 1 : scale[i]->scalar_type() != c10::ScalarType::Float))
+      return {};
+  }
+  at::Tensor static_scales[2];  // each expert's calibrated activation scale, as the loop gives each GEMM its own
+  if (f.input_scale) {
+    const OptTensor *given[2] = {&w13_input_scale, &w2_input_scale};
+    for (int i = 0; i < 2; i++) {
+      if (!*given[i] || ((*given[i])->numel() != 1 && (*given[i])->numel() != E)) return {};
+      static_scales[i] = (*given[i])->to(c10::ScalarType::Float).reshape({-1}).expand({E}).contiguous();
+    }
+  }
+  const auto pointer = [](const at::Tensor &t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  return layer.run(fp8_moe_entry, f.most, bytes(w13_data), w13_scale.data_ptr(), kp[0], srows[0], sld[0],
+                   bytes(w2_data), w2_scale.data_ptr(), kp[1], srows[1], sld[1], f.group,
+                   reinterpret_cast<const float *>(f.lut), (int)f.act, f.act_group, pointer(static_scales[0]),
+                   pointer(static_scales[1]), eps);
+}
+
+// kernels/cpu_fp4.py's moe_experts, its checks: qp_moe_fp4 where they pass, else an undefined tensor.
+at::Tensor fp4_moe(const Format &f, const Layer &layer, const at::Tensor &w13_data, const at::Tensor &w13_scale,
+                   const OptTensor &w13_scale2, const at::Tensor &w2_data, const at::Tensor &w2_scale,
+                   const OptTensor &w2_scale2) {
+  const at::Tensor *data[2] = {&w13_data, &w2_data}, *scale[2] = {&w13_scale, &w2_scale};
+  const OptTensor *scale2[2] = {&w13_scale2, &w2_scale2};
+  int64_t kp[2];
+  at::Tensor g[2];  // each expert's per-tensor scale / 2 (the codes are e2m1 values x 2), NVFP4's
+  for (int i = 0; i < 2; i++) {
+    kp[i] = data[i]->size(2) * 2;
+    if (data[i]->size(0) != layer.E || kp[i] % f.group || !scale[i]->is_contiguous() ||
+        scale[i]->element_size() != 1 || scale[i]->dim() != 3 || scale[i]->size(0) != data[i]->size(0) ||
+        scale[i]->size(1) != data[i]->size(1) || scale[i]->size(2) != kp[i] / f.group)
+      return {};
+    if (*scale2[i]) {
+      if ((*scale2[i])->numel() != layer.E) return {};
+      g[i] = (*scale2[i])->to(c10::ScalarType::Float).reshape({-1}).div(2).contiguous();
+    }
+  }
+  const auto pointer = [](const at::Tensor &t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
+  return layer.run(fp4_moe_entry, f.most, bytes(w13_data), bytes(w13_scale), kp[0], pointer(g[0]), bytes(w2_data),
+                   bytes(w2_scale), kp[1], pointer(g[1]), (int)f.group, reinterpret_cast<const float *>(f.lut),
+                   (int)f.act, reinterpret_cast<const void *>(f.codes), eps);
+}
+
+// kernels/cpu.py's _moe_on_our_kernels, the same checks: the layer in one call of its kernel library's
+// MoE entry (qp_moe for INT8/INT4, qp_moe_fp8, qp_moe_fp4) where they pass, else the Python op.
 at::Tensor fused_moe(const at::Tensor &hidden, const at::Tensor &topk_weights, const at::Tensor &topk_ids,
                      const at::Tensor &w13_data, const at::Tensor &w13_scale, const OptTensor &w13_scale2,
                      const at::Tensor &w2_data, const at::Tensor &w2_scale, const OptTensor &w2_scale2,
@@ -253,42 +362,46 @@ at::Tensor fused_moe(const at::Tensor &hidden, const at::Tensor &topk_weights, c
                      c10::string_view activation, c10::string_view gate_up_layout, bool on_input,
                      c10::SymInt intermediate_size, double alpha, double limit, const OptTensor &w13_input_scale,
                      const OptTensor &w2_input_scale) {
-  auto found = moe_entry ? fast.find(std::string(weight_key)) : fast.end();
-  const bool per_token = found != fast.end() && !activation_key.empty() && activation_key == found->second.per_token;
-  if (!activation_key.empty() && !per_token) found = fast.end();
   const int htype = type_code(hidden.scalar_type()), rtype = type_code(topk_weights.scalar_type());
   const int btype = b13 ? type_code(b13->scalar_type()) : 0;
   const int64_t act = index_of(activations, activation), layout = index_of(layouts, gate_up_layout);
   const auto map_type = expert_map ? expert_map->scalar_type() : c10::ScalarType::Int;
-  if (found != fast.end() && htype >= 0 && rtype >= 0 && btype >= 0 && act >= 0 && layout >= 0 &&
-      hidden.dim() >= 1 && !b13 == !b2 && (!b2 || b2->scalar_type() == b13->scalar_type()) &&
-      w13_scale.dim() == 3 && w13_scale.scalar_type() == c10::ScalarType::Float &&
-      w2_scale.scalar_type() == c10::ScalarType::Float &&
-      (map_type == c10::ScalarType::Int || map_type == c10::ScalarType::Long) && w13_data.is_contiguous() &&
-      w13_scale.is_contiguous() && w2_data.is_contiguous() && w2_scale.is_contiguous() && contiguous(b13) &&
-      contiguous(b2) && contiguous(expert_map)) {
-    const Fast f = found->second;
-    const at::Tensor rows = hidden.reshape({-1, hidden.size(-1)}).contiguous();
-    const int64_t T = rows.size(0), H = rows.size(1);
-    if (T <= f.most && topk_ids.dim() >= 1 && topk_ids.numel() == topk_weights.numel() &&
-        topk_ids.numel() == T * topk_ids.size(-1) && w2_scale.dim() == 3) {
-      const at::Tensor router = topk_weights.reshape({T, -1}).contiguous();
-      const at::Tensor ids = topk_ids.reshape({T, -1}).to(c10::ScalarType::Long).contiguous();
-      at::Tensor out = at::empty_like(rows);
-      const int64_t kp13 = w13_data.size(2) * (f.bits == 4 ? 2 : 1), kp2 = w2_data.size(2) * (f.bits == 4 ? 2 : 1);
-      const int status = moe_entry(
-          rows.data_ptr(), htype, T, H, ids.data_ptr<int64_t>(), ids.size(1),
-          expert_map ? expert_map->data_ptr() : nullptr, expert_map ? (int)expert_map->element_size() : 0,
-          expert_map ? expert_map->numel() : 0, router.data_ptr(), rtype, on_input, w13_data.size(0),
-          w13_data.size(1) / 2, b13 ? b13->data_ptr() : nullptr, b2 ? b2->data_ptr() : nullptr, btype, (int)act,
-          (int)layout, (float)alpha, (float)limit, out.data_ptr(), at::get_num_threads(), f.most,
-          static_cast<const uint8_t *>(w13_data.data_ptr()), static_cast<const float *>(w13_scale.data_ptr()), kp13,
-          static_cast<const uint8_t *>(w2_data.data_ptr()), static_cast<const float *>(w2_scale.data_ptr()), kp2,
-          f.bits, f.mode, per_token, eps);
-      TORCH_CHECK_INDEX(status != -3, "an expert id outside the expert map or [0, ", w13_data.size(0), ") in ",
-                        topk_ids);
-      check_status(status);
-      return out.reshape(hidden.sizes());
+  if (htype >= 0 && rtype >= 0 && btype >= 0 && act >= 0 && layout >= 0 && hidden.dim() >= 1 &&
+      topk_ids.dim() >= 1 && !b13 == !b2 && (!b2 || b2->scalar_type() == b13->scalar_type()) &&
+      (map_type == c10::ScalarType::Int || map_type == c10::ScalarType::Long) && contiguous(b13) &&
+      contiguous(b2) && contiguous(expert_map) && stacked(w13_data) && stacked(w2_data)) {
+    const int64_t H = hidden.size(-1), T = H ? hidden.numel() / H : 0;
+    const auto found = fast.find(std::string(weight_key));
+    const auto format = found == fast.end()
+                            ? formats.find(std::string(weight_key) + "|" + std::string(activation_key))
+                            : formats.end();
+    const Fast *f = found != fast.end() && moe_entry ? &found->second : nullptr;
+    const bool per_token = f && !activation_key.empty() && activation_key == f->per_token;
+    if (f && !activation_key.empty() && !per_token) f = nullptr;
+    const Format *g = format != formats.end() && format->second.moe &&
+                              (format->second.family == 8 ? fp8_moe_entry != nullptr : fp4_moe_entry != nullptr)
+                          ? &format->second
+                          : nullptr;
+    const int64_t most = f ? f->most : g ? g->most : -1;
+    if (H && T <= most && topk_ids.numel() == topk_weights.numel() && topk_ids.numel() == T * topk_ids.size(-1)) {
+      const at::Tensor rows = hidden.reshape({T, H}).contiguous();
+      const Layer layer{rows, topk_weights.reshape({T, -1}).contiguous(),
+                        topk_ids.reshape({T, -1}).to(c10::ScalarType::Long).contiguous(), expert_map, b13, b2, htype,
+                        rtype, btype, (int)act, (int)layout, on_input, w13_data.size(0), w13_data.size(1) / 2, alpha,
+                        limit};
+      at::Tensor out;
+      if (f && w13_scale.scalar_type() == c10::ScalarType::Float && w2_scale.scalar_type() == c10::ScalarType::Float &&
+          stacked(w13_scale) && stacked(w2_scale)) {
+        const int64_t pack = f->bits == 4 ? 2 : 1;
+        out = layer.run(moe_entry, f->most, bytes(w13_data), w13_scale.data_ptr<float>(), w13_data.size(2) * pack,
+                        bytes(w2_data), w2_scale.data_ptr<float>(), w2_data.size(2) * pack, f->bits, f->mode,
+                        (int)per_token, eps);
+      } else if (g && g->family == 8) {
+        out = fp8_moe(*g, layer, w13_data, w13_scale, w2_data, w2_scale, w13_input_scale, w2_input_scale);
+      } else if (g) {
+        out = fp4_moe(*g, layer, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2);
+      }
+      if (out.defined()) return out.reshape(hidden.sizes());
     }
   }
   return generic_moe(hidden, topk_weights, topk_ids, w13_data, w13_scale, w13_scale2, w2_data, w2_scale, w2_scale2,
@@ -314,7 +427,7 @@ TORCH_LIBRARY_FRAGMENT(quantpass, m) {
   m.def(
       "_cpu_op_setup(int address, int moe_address, str[] keys, int[] bits, int[] modes, int[] most, "
       "str[] per_token, float amax_eps, str[] moe_activations, str[] gate_up_layouts, int fp8_address, "
-      "int fp4_address, str[] format_keys, int[] format_rows) -> ()",
+      "int fp4_address, int fp8_moe_address, int fp4_moe_address, str[] format_keys, int[] format_rows) -> ()",
       &setup);
 }
 
