@@ -92,6 +92,7 @@ def test_gpt_oss_mxfp4_checkpoint(gpt_oss_checkpoint, tmp_path):
         expected = reference(IDS).logits.float()
 
     model = qp.from_pretrained(gpt_oss_checkpoint)
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}  # its config names no dtype: the stored one
     logits, plan = run(model)
     moe = [row for row in plan.rows if row.kind == "moe"]
     assert len(moe) == 2 and all(row.quantized and row.reason.startswith("checkpoint: MXFP4") for row in moe), plan
@@ -152,6 +153,22 @@ def test_quantize_on_load_moe_experts(tmp_path):
         tmp_path, dtype=torch.bfloat16, experts_implementation="grouped_mm"
     ).eval()
     expected, _ = run(after, moe="int8_weight_only")
+    assert torch.equal(logits, expected)
+
+
+@pytest.mark.parametrize(("stored", "asked"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_loads_in_the_dtype_asked_for(stored, asked, tmp_path):
+    """A checkpoint stored in another dtype than the one asked for (an fp32 save loaded as bf16, as
+    `quantpass run --quantize-on-load` does by default, and the reverse): every full-precision tensor
+    comes in the model's dtype, as transformers loads it (norms and embeddings in another dtype made
+    the first matmul raise), and quantize-on-load equals load-then-quantize."""
+    tiny_llama(dtype=stored).save_pretrained(tmp_path)
+    on_load = qp.from_pretrained(tmp_path, dtype=asked, linear="int8_weight_only")
+    assert {p.dtype for p in on_load.parameters()} == {asked}
+    logits, plan = run(on_load)
+    assert sum(row.quantized for row in plan.rows) == 14
+    after = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=asked).eval()
+    expected, _ = run(after, linear="int8_weight_only")
     assert torch.equal(logits, expected)
 
 
@@ -222,9 +239,12 @@ def test_online_quantized_model_exports_and_loads_back(tmp_path):
         quantization = json.load(f)["quantization"]
     assert quantization["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN" and quantization["exclude_modules"] == [
         "model.embed_tokens", "lm_head"]  # fmt: skip
+    with open(tmp_path / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"  # tiny_llama's config names none: the model's dtype
     loaded = qp.from_pretrained(tmp_path)
     reloaded, plan = run(loaded)
     assert all(row.reason.startswith("checkpoint: FP8_PER_CHANNEL_PER_TOKEN") for row in plan.rows if row.quantized)
+    assert {p.dtype for p in loaded.parameters()} == {torch.bfloat16}
     online, back = qp.state_dict(model, quantized=True), qp.state_dict(loaded, quantized=True)
     for name, value in online.items():
         if isinstance(value, qp.QTensor):

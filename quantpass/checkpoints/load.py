@@ -121,12 +121,22 @@ def _build(path: str, dtype):
     for attribute in ("quantization_config",):  # ours to apply: transformers must not try
         if hasattr(config, attribute):
             delattr(config, attribute)
-    if dtype is None:
-        dtype = getattr(config, "dtype", None) or torch.float32
+    if dtype is None:  # transformers' dtype="auto": the config's, else the stored weights'
+        dtype = getattr(config, "dtype", None) or _stored_dtype(path) or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     with _parameters_on_meta():
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
+
+
+def _stored_dtype(path: str) -> torch.dtype | None:
+    """The full-precision dtype most of a checkpoint's bytes are stored in (16 bits or more: not FP8 or
+    FP4 data), for a config that names none."""
+    stored: dict[torch.dtype, int] = {}
+    for entry in shards.index(path).values():
+        if entry.dtype.is_floating_point and entry.dtype.itemsize >= 2:
+            stored[entry.dtype] = stored.get(entry.dtype, 0) + entry.nbytes
+    return max(stored, key=stored.get, default=None)
 
 
 # ---------------------------------------------------------------------------- the loader
@@ -165,6 +175,8 @@ class _Loader:
     def attach(self, module: nn.Module, name: str, fqn: str, kind: Kind, value, algo: Algo | None, transposed=False):
         """Set `module.name` from `value` (a QTensor from the checkpoint, or a full-precision tensor)."""
         old = module._parameters[name]
+        if algo is None:
+            value = _as_built(value, old)  # quantized on load from the model's dtype, as load-then-quantize
         if algo is not None:
             source = f"checkpoint: {algo.name}"
             spec, why = self.config.resolve_with_reason(fqn, kind, algo.spec, source, requantize=self.requantize)
@@ -218,7 +230,8 @@ class _Loader:
                 if isinstance(module, nn.Linear) and name == "weight":
                     self.load_linear(fqn, module)
                 elif full in self.entries:
-                    module._parameters[name] = nn.Parameter(self.read(full), requires_grad=param.requires_grad)
+                    value = _as_built(self.read(full), param)
+                    module._parameters[name] = nn.Parameter(value, requires_grad=param.requires_grad)
             for name, buffer in module._buffers.items():
                 full = f"{fqn}.{name}" if fqn else name
                 if buffer is not None and full in self.entries:
@@ -277,8 +290,11 @@ class _Loader:
                 value = self._per_expert(fqn, parts, algo, experts, rows, cols, param.dtype, transposed)
             self.attach(module, param_name, fqn, Kind.MOE, value, algo, transposed)
         for name in ("gate_up_proj_bias", "down_proj_bias"):
-            if getattr(module, name, None) is not None and f"{fqn}.{name}" in self.entries:
-                module._parameters[name] = nn.Parameter(self.read(f"{fqn}.{name}"), requires_grad=False)
+            bias = getattr(module, name, None)
+            if bias is not None and f"{fqn}.{name}" in self.entries:
+                module._parameters[name] = nn.Parameter(
+                    _as_built(self.read(f"{fqn}.{name}"), bias), requires_grad=False
+                )
 
     def _per_expert(self, fqn, parts, algo, experts, rows, cols, dtype, transposed):
         each = rows // len(parts)
@@ -292,6 +308,14 @@ class _Loader:
             qts = [self.checkpoint_qtensor(algo, f"{fqn}.{e}.{p}.weight", (each, cols), dtype) for p in parts]
             stacked.append(qts[0] if len(qts) == 1 else join_rows(qts, f"{fqn}.{e}.{'+'.join(parts)}"))
         return stack_experts(stacked)
+
+
+def _as_built(value: torch.Tensor, built: torch.Tensor) -> torch.Tensor:
+    """A stored full-precision tensor in the dtype the model was built in (`from_pretrained`'s `dtype`,
+    else the config's), as transformers loads it: an fp32 checkpoint in a bf16 model and the reverse."""
+    if value.is_floating_point() and built.is_floating_point() and value.dtype != built.dtype:
+        return value.to(built.dtype)
+    return value
 
 
 def _matrix(shape, transposed: bool) -> tuple[int, int]:
@@ -366,7 +390,9 @@ def from_pretrained(
     formats (`linear="int8_weight_only"`, `moe=...`, `targets`, `ignore`). For a pre-quantized
     checkpoint the options may change activations (`moe={"activation": "mxfp8"}`); another weight
     format raises unless `requantize=True`. Tensors go to `device` as they are read (`model.to()`
-    afterwards would read the quantized layers' freed storage)."""
+    afterwards would read the quantized layers' freed storage). `dtype`: the model's (full-precision
+    tensors stored in another are cast as they load); by default the config's, else the one most of the
+    stored full-precision bytes have, as transformers' `dtype="auto"`."""
     path = os.fspath(path)
     unknown = sorted(set(options) - set(CONFIG_OPTIONS))
     if unknown:

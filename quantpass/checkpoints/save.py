@@ -85,6 +85,9 @@ def _put(tensors: dict, algo: Algo, param_name: str, qt: QTensor, stored: dict) 
 def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info) -> None:
     config = root.config.to_dict()
     config.pop("quantization_config", None)
+    dtype = next((p.dtype for p in root.parameters() if p.is_floating_point()), None)
+    if dtype is not None:  # the model's dtype, as transformers' save_pretrained records it
+        config["dtype"] = str(dtype).removeprefix("torch.")
     quantized = {fqn.rsplit(".", 2)[0] if fqn.split(".")[-2].isdigit() else fqn for fqn in layers}
     exclude = _excluded(root, quantized, info)
     algos = set(layers.values())
