@@ -101,7 +101,7 @@ def main(argv=None) -> int:
             if config.fields_set:
                 raise UsageError("formats takes no --quantization flags")
             return _formats(args)
-        named = any(a == "--quantization" or a.startswith("--quantization=") for a in argv)
+        named = checks.format_flag(argv, config)
         with _quiet():
             args.device = checks.parse_device(args.device)
             preset_defaulted, args.model = args.model is None, args.model or default_preset(args.device)

@@ -136,7 +136,19 @@ def is_moe(model_config) -> bool:
 # -- formats --------------------------------------------------------------------------------------
 
 
-def checkpoint_configs(args, flags: QuantizationConfig, named: bool):
+def format_flag(argv: list[str], flags: QuantizationConfig) -> str | None:
+    """The flag that names the format to run, or None (then `quantpass run` picks the device's): --quantization,
+    or config flags giving linear or MoE layers a weight format (`--quantization-config.linear NAME`, the
+    JSON form), which name one run as the same options to torch.compile would. Flags that only change
+    an activation, ignore layers or pick a backend apply on top of each format."""
+    if any(a == "--quantization" or a.startswith("--quantization=") for a in argv):
+        return "--quantization"
+    kinds = [kind for kind in ("linear", "moe") if kind in flags.fields_set]
+    named = [kind for kind in kinds if getattr(flags, kind) is not None and getattr(flags, kind).weight is not None]
+    return f"--quantization-config.{named[0]}" if named else None
+
+
+def checkpoint_configs(args, flags: QuantizationConfig, named: str | None):
     """For a checkpoint that loads quantized (pre-quantized, or --quantize-on-load): the one config
     to compile with (the layers' own formats, plus any activation override in `flags`) and why;
     None for anything else. Sets `args.load_formats`, the formats to apply as the weights load."""
@@ -182,16 +194,17 @@ def check_exportable(configs, load_formats: dict | None) -> None:
                 raise UsageError(f"--save: {e}") from None
 
 
-def configs_to_run(flags: QuantizationConfig, compare: str | None, named: bool, device: str):
+def configs_to_run(flags: QuantizationConfig, compare: str | None, named: str | None, device: str):
     """([(label, config)] per format to run, the line saying why when defaults were chosen);
-    `named`: --quantization was given. Dotted flags apply on top of each format."""
+    `named`: the flag that named the format (`format_flag`). Other config flags apply on top of each
+    format."""
     if compare is None:
         if named:
             return [(config_label(flags), flags)], None
         defaults, why = device_defaults(device)
         return [(label, config.merged_with(flags)) for label, config in defaults], why
     if named:
-        raise UsageError("--compare and --quantization both choose formats; use one of them")
+        raise UsageError(f"--compare and {named} both choose formats; use one of them")
     configs, why = [], None
     for name in filter(None, (n.strip() for n in compare.split(","))):
         if name == DEFAULT_LABEL:

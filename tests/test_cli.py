@@ -75,6 +75,28 @@ def test_run_flags_become_backend_options(flags, keep):
 
 
 @pytest.mark.parametrize(
+    "flags, labels",
+    [
+        ([], ["int8_weight_only", "int4_weight_only"]),  # the device's formats
+        (["--quantization", "fp8_per_block"], ["fp8_per_block"]),
+        (["--quantization-config.linear", "fp8_per_block"], ["linear fp8_per_block"]),  # as options= would
+        (["--quantization-config", '{"moe": "mxfp4"}'], ["moe mxfp4"]),
+        (["--quantization-config.ignore", "*.o_proj"], ["int8_weight_only", "int4_weight_only"]),  # on top of each
+        (["--quantization-config.linear.activation", "none"], ["int8_weight_only", "int4_weight_only"]),
+    ],
+)
+def test_which_formats_a_command_line_runs(flags, labels):
+    """A config flag that gives linear or MoE layers a weight format names the one run, as the same
+    options to torch.compile would (it ran on top of each default format, labelled as them); flags
+    that change activations, patterns or backends apply on top of each format."""
+    argv = ["run", *flags]
+    config, _ = cli.parse_cli(argv)
+    runs, _ = cli_checks.configs_to_run(config, None, cli_checks.format_flag(argv, config), "cpu")
+    assert [label for label, _ in runs] == labels
+    assert all(run.ignore == config.ignore for _, run in runs)
+
+
+@pytest.mark.parametrize(
     "device, sm, libs, labels",
     [
         ("cpu", None, (), ["int8_weight_only", "int4_weight_only"]),  # the cpu backend's kernels
@@ -189,6 +211,10 @@ def test_readme_lists_every_env_flag():
         (["run", "--quantization", "fp9"], "invalid quantization 'fp9'; valid: fp8_per_block, "),
         (["run", "--quantization-config.linear.weigth", "mxfp8"], "invalid flag '--quantization-config.linear.weigth'"),
         (["run", "--compare", "mxfp8,fp9"], "invalid quantization 'fp9'"),
+        (
+            ["run", "--compare", "mxfp8", "--quantization-config.linear", "int8_weight_only"],
+            "--compare and --quantization-config.linear both choose formats; use one of them",
+        ),
         (["run", "--lowering", "tvm"], "invalid choice: 'tvm'"),
         (["run", "--quantization-config.backend.moe", "cuda"], "invalid backend for moe 'cuda'; valid: auto, cpu,"),
         (["explain", "--model", "no/such/dir"], "invalid model 'no/such/dir': not a preset (moe, dense)"),
