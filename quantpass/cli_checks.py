@@ -5,6 +5,7 @@ prompt length. Bad input raises `UsageError` (one line on stderr, exit code 2)."
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from .quant_registry.names import Kind
@@ -107,6 +108,11 @@ def check_output_dir(path: str, flag: str) -> None:
         raise UsageError(f"invalid {flag} {path!r}: {str(existing)!r} is a file, not a directory")
     if not os.access(existing, os.W_OK):
         raise UsageError(f"invalid {flag} {path!r}: {str(existing)!r} is not writable")
+    try:  # made now and written to once: os.access says yes to root anywhere (/proc too)
+        folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=folder).close()
+    except OSError as error:
+        raise UsageError(f"invalid {flag} {path!r}: {error.strerror or error}") from None
 
 
 def check_configs(configs: list[tuple[str, QuantizationConfig]], device: str, model_config) -> None:

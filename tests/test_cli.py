@@ -233,6 +233,7 @@ def test_readme_lists_every_env_flag():
             ["run", "--json", "/no/such/dir/out.json"],
             "invalid --json '/no/such/dir/out.json': directory '/no/such/dir'",
         ),
+        (["run", "--debug-dir", "/proc/quantpass-dump"], "invalid --debug-dir '/proc/quantpass-dump': "),
     ],
 )
 def test_bad_input_is_one_line_and_exit_code_2(capsys, argv, message):
