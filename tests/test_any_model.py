@@ -272,3 +272,28 @@ def test_verify_runs_the_graph_without_disturbing_its_inputs():
     with torch.no_grad():
         compiled(model)[0](torch.randn(4, 64))
     assert model.calls.item() == 1.0
+
+
+class VmapAfterLinear(nn.Module):
+    """A linear, then `torch.vmap` over its output (Jamba's selective scan maps its state update)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        y = self.proj(x)
+        return torch.vmap(lambda a, b: a * b)(y, y + 1)
+
+
+def test_vmap_in_the_graph_keeps_its_nesting_calls():
+    """Dynamo spells `torch.vmap` as calls nothing reads (`_vmap_increment_nesting` /
+    `_vmap_decrement_nesting`); the pass's dead-code elimination after the rewrite removed them and
+    every op inside the vmap raised (Jamba crashed in every format)."""
+    torch.manual_seed(0)
+    model, x = VmapAfterLinear().eval(), torch.randn(4, 64)
+    m, backend = compiled(model)
+    with torch.no_grad():
+        got, want = m(x), model(x)
+    assert backend.plan.summary().startswith("linear: 1 quantized")
+    assert cosine(want, got) >= FLOOR["int8_weight_only"]

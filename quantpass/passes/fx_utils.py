@@ -130,11 +130,25 @@ def mutated_placeholders(graph: fx.Graph) -> set[fx.Node]:
     return found
 
 
-def eliminate_dead_code(graph: fx.Graph) -> None:
-    """DCE that keeps in-place writes: Dynamo graphs are not functionalized, so an unused
-    `copy_`/`scatter_`/`setitem` still changes a tensor someone reads later (DeepSeek-V3's MLA
-    key buffer and router group mask: plain DCE took its logits cosine to 0.69)."""
-    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated(n) is not None)
+def state_changes(graph: fx.Graph) -> set[fx.Node]:
+    """Calls nothing reads that read no tensor: in a Dynamo graph, changes of interpreter state that fx
+    does not know as impure (`torch.vmap`'s `_vmap_increment_nesting` / `_vmap_decrement_nesting`, in
+    Jamba's selective scan). Taken before a rewrite, for `eliminate_dead_code` to keep."""
+    return {
+        node
+        for node in graph.nodes
+        if node.op == "call_function"
+        and not node.users
+        and not any(isinstance(a.meta.get("example_value"), torch.Tensor) for a in node.all_input_nodes)
+    }
+
+
+def eliminate_dead_code(graph: fx.Graph, keep: set[fx.Node] = frozenset()) -> None:
+    """DCE that keeps in-place writes and `keep` (`state_changes`): Dynamo graphs are not functionalized,
+    so an unused `copy_`/`scatter_`/`setitem` still changes a tensor someone reads later (DeepSeek-V3's
+    MLA key buffer and router group mask: plain DCE took its logits cosine to 0.69), and removing vmap's
+    nesting calls broke every call inside the vmap."""
+    graph.eliminate_dead_code(is_impure_node=lambda n: n.is_impure() or mutated(n) is not None or n in keep)
 
 
 def extract(nodes: list[fx.Node], inputs: list[fx.Node], output: fx.Node, sizes=None):

@@ -33,7 +33,7 @@ from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantizationConfig, QuantSpec
 from ..weight_cache import WEIGHTS
 from .build import build_and_verify
-from .fx_utils import add_placeholders, copy_graph, eliminate_dead_code, set_placeholder_values
+from .fx_utils import add_placeholders, copy_graph, eliminate_dead_code, set_placeholder_values, state_changes
 from .lower import lowering_for
 from .lower_site import SiteLowering
 
@@ -257,8 +257,9 @@ def quantize_graph(
     originals = {copy: original for original, copy in copies.items()}
     for q in chosen:  # where verify finds each site's activations in Dynamo's graph
         q.probe = ([originals[n] for n in q.site.input_nodes], originals[q.site.output_node])
+    state = state_changes(new_gm.graph)
     bindings = _rewrite(new_gm.graph, chosen, differentiable=grad_enabled)
-    eliminate_dead_code(new_gm.graph)
+    eliminate_dead_code(new_gm.graph, keep=state)
     raw = set(_raw_params(new_gm.graph, example_inputs))
     for binding in bindings:
         binding.release = tuple(not keep_original_weights and i not in raw for i in binding.param_indices)
