@@ -172,6 +172,25 @@ def test_loads_in_the_dtype_asked_for(stored, asked, tmp_path):
     assert torch.equal(logits, expected)
 
 
+@pytest.mark.parametrize(
+    ("name", "stored", "message"),
+    [
+        ("model.norm.weight", torch.ones(63), r"model.norm.weight: stored shape \(63,\), the model expects \(64,\)"),
+        ("model.embed_tokens.weight", torch.ones(120, 64), r"stored shape \(120, 64\), the model expects \(128, 64\)"),
+        ("model.norm.weight", torch.ones(64, dtype=torch.uint8), "model.norm.weight is stored as torch.uint8"),
+    ],
+)
+def test_a_stored_tensor_unlike_the_model_names_itself(name, stored, message, tmp_path):
+    """A full-precision tensor whose shape or dtype is not the model's raises at load, naming it (it
+    loaded, then failed in tracing, or an embedding short of the vocabulary on the first token past it)."""
+    tiny_llama(dtype=torch.bfloat16).save_pretrained(tmp_path)
+    entries = shards.index(str(tmp_path))
+    tensors = {n: shards.read(e) for n, e in entries.items()}
+    shards.write(str(tmp_path / "model.safetensors"), {**tensors, name: stored}, {"format": "pt"})
+    with pytest.raises(ValueError, match=message):
+        qp.from_pretrained(tmp_path)
+
+
 @pytest.mark.parametrize("name", sorted(n for n, k in keys.KEYS.items() if k.static))
 def test_chunked_quantize_is_bit_identical(name, monkeypatch):
     monkeypatch.setattr(load, "QUANTIZE_CHUNK", 500)  # many chunks, partial last ones

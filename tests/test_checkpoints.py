@@ -36,7 +36,9 @@ from quantpass.weight_cache import WEIGHTS
 VOCAB = 256
 EVAL_IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
 CALIBRATION_IDS = torch.randint(0, VOCAB, (4, 16), generator=torch.Generator().manual_seed(3))
-# checkpoint -> (ModelOpt config, model); MIXED: FP8 attention, NVFP4 MLP, o_proj left unquantized
+# checkpoint -> (ModelOpt config, model); MIXED: FP8 attention, NVFP4 MLP, o_proj left unquantized (its
+# quantized_layers name a MoE model's experts module, not each projection); FP8_LM_HEAD: FP8 with the
+# output head quantized too
 EXPORTS = {
     "FP8": ("FP8_DEFAULT_CFG", "llama"),
     "FP8_PER_CHANNEL_PER_TOKEN": ("FP8_PER_CHANNEL_PER_TOKEN_CFG", "llama"),
@@ -47,12 +49,15 @@ EXPORTS = {
     "MIXED_PRECISION": ("MIXED", "llama"),
     "MOE_FP8": ("FP8_DEFAULT_CFG", "qwen3_moe"),
     "MOE_NVFP4": ("NVFP4_DEFAULT_CFG", "qwen3_moe"),
+    "MOE_MIXED_PRECISION": ("MIXED", "qwen2_moe"),
+    "FP8_LM_HEAD": ("FP8_LM_HEAD", "llama"),
 }
 # cosine floors vs the dequantized reference (issue #13): weight-only, 8-bit W8A8, NVFP4 W4A4
 FLOOR = {"FP8": 0.99, "FP8_PER_CHANNEL_PER_TOKEN": 0.99, "FP8_PB_WO": 0.999, "NVFP4": 0.97, "W4A16_NVFP4": 0.999,
-         "MXFP8": 0.99, "MIXED_PRECISION": 0.97, "MOE_FP8": 0.99, "MOE_NVFP4": 0.97}  # fmt: skip
+         "MXFP8": 0.99, "MIXED_PRECISION": 0.97, "MOE_FP8": 0.99, "MOE_NVFP4": 0.97, "MOE_MIXED_PRECISION": 0.97,
+         "FP8_LM_HEAD": 0.99}  # fmt: skip
 MODELOPT_FLOOR = 0.995  # vs ModelOpt's own fake-quant forward, where it runs on CPU:
-MODELOPT_CUDA_ONLY = {"NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION", "MOE_NVFP4"}  # CUDA-only fake quant
+MODELOPT_CUDA_ONLY = {"NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION", "MOE_NVFP4", "MOE_MIXED_PRECISION"}
 
 
 def tiny(kind: str) -> transformers.PreTrainedModel:
@@ -62,6 +67,14 @@ def tiny(kind: str) -> transformers.PreTrainedModel:
             num_key_value_heads=1, head_dim=32, vocab_size=VOCAB, max_position_embeddings=64,
         )  # fmt: skip
         config.architectures = ["LlamaForCausalLM"]
+    elif kind == "qwen2_moe":  # a shared expert beside the routed ones
+        config = transformers.Qwen2MoeConfig(
+            hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+            decoder_sparse_step=1, mlp_only_layers=[], vocab_size=VOCAB, max_position_embeddings=64,
+            initializer_range=0.1,
+        )  # fmt: skip
+        config.architectures = ["Qwen2MoeForCausalLM"]
     else:
         config = transformers.Qwen3MoeConfig(
             hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -90,6 +103,9 @@ def export_all(out: str) -> None:
                 {"quantizer_name": "*self_attn*input_quantizer", "cfg": fp8},
                 {"quantizer_name": "*layers.0.self_attn.o_proj*", "enable": False},
             ]
+        elif config_name == "FP8_LM_HEAD":
+            config = copy.deepcopy(mtq.FP8_DEFAULT_CFG)
+            config["quant_cfg"] = [q for q in config["quant_cfg"] if q.get("quantizer_name") != "*lm_head*"]
         else:
             config = getattr(mtq, config_name)
         model = mtq.quantize(tiny(kind), config, lambda m: m(CALIBRATION_IDS))
@@ -169,7 +185,9 @@ def reference_model(path: str, tmp_path) -> transformers.PreTrainedModel:
         module = name.rsplit(".", 1)[0]
         if name.endswith(("_scale", "_scale_2", ".input_scale")):
             continue
-        algo = algos.get(module, algos.get(None)) if f"{module}.weight_scale" in entries else None
+        named = (module, module.rsplit(".", 2)[0])  # an expert's projection: MIXED may name its experts module
+        found = next((algos[m] for m in named if m in algos), algos.get(None))
+        algo = found if f"{module}.weight_scale" in entries and name.endswith(".weight") else None  # not a bias
         if algo is None:
             dense[name] = shards.read(entry).float()
         else:

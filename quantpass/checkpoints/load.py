@@ -176,7 +176,7 @@ class _Loader:
         """Set `module.name` from `value` (a QTensor from the checkpoint, or a full-precision tensor)."""
         old = module._parameters[name]
         if algo is None:
-            value = _as_built(value, old)  # quantized on load from the model's dtype, as load-then-quantize
+            value = _as_built(value, old, f"{fqn}.{name}")  # quantized on load from the model's dtype
         if algo is not None:
             source = f"checkpoint: {algo.name}"
             spec, why = self.config.resolve_with_reason(fqn, kind, algo.spec, source, requantize=self.requantize)
@@ -230,7 +230,7 @@ class _Loader:
                 if isinstance(module, nn.Linear) and name == "weight":
                     self.load_linear(fqn, module)
                 elif full in self.entries:
-                    value = _as_built(self.read(full), param)
+                    value = _as_built(self.read(full), param, full)
                     module._parameters[name] = nn.Parameter(value, requires_grad=param.requires_grad)
             for name, buffer in module._buffers.items():
                 full = f"{fqn}.{name}" if fqn else name
@@ -286,14 +286,15 @@ class _Loader:
                 )
             else:
                 parts = names[:2] if param_name == "gate_up_proj" else names[2:]
-                algo = self.algo(f"{fqn}.0.{parts[0]}", f"{fqn}.0.{parts[0]}.weight")
+                first = f"{fqn}.0.{parts[0]}.weight"  # MIXED_PRECISION names the experts or each projection
+                algo = self.algo(f"{fqn}.0.{parts[0]}", first) or self.algo(fqn, first)
                 value = self._per_expert(fqn, parts, algo, experts, rows, cols, param.dtype, transposed)
             self.attach(module, param_name, fqn, Kind.MOE, value, algo, transposed)
         for name in ("gate_up_proj_bias", "down_proj_bias"):
             bias = getattr(module, name, None)
             if bias is not None and f"{fqn}.{name}" in self.entries:
                 module._parameters[name] = nn.Parameter(
-                    _as_built(self.read(f"{fqn}.{name}"), bias), requires_grad=False
+                    _as_built(self.read(f"{fqn}.{name}"), bias, f"{fqn}.{name}"), requires_grad=False
                 )
 
     def _per_expert(self, fqn, parts, algo, experts, rows, cols, dtype, transposed):
@@ -310,9 +311,18 @@ class _Loader:
         return stack_experts(stacked)
 
 
-def _as_built(value: torch.Tensor, built: torch.Tensor) -> torch.Tensor:
+def _as_built(value: torch.Tensor, built: torch.Tensor, name: str) -> torch.Tensor:
     """A stored full-precision tensor in the dtype the model was built in (`from_pretrained`'s `dtype`,
-    else the config's), as transformers loads it: an fp32 checkpoint in a bf16 model and the reverse."""
+    else the config's), as transformers loads it: an fp32 checkpoint in a bf16 model and the reverse;
+    a shape other than the model's, or packed bytes where the model has a floating-point parameter, raise
+    naming the tensor (they failed later, in tracing or on the first out-of-range token id)."""
+    if tuple(value.shape) != tuple(built.shape):
+        raise ValueError(f"{name}: stored shape {tuple(value.shape)}, the model expects {tuple(built.shape)}")
+    if built.is_floating_point() and not value.is_floating_point():
+        raise ValueError(
+            f"{name} is stored as {value.dtype}, not a floating-point dtype, and the checkpoint's quantization "
+            "config names no format for its layer"
+        )
     if value.is_floating_point() and built.is_floating_point() and value.dtype != built.dtype:
         return value.to(built.dtype)
     return value

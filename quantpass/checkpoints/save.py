@@ -82,13 +82,20 @@ def _put(tensors: dict, algo: Algo, param_name: str, qt: QTensor, stored: dict) 
         tensors[names[role]] = tensor
 
 
+def _module_of(fqn: str) -> str:
+    """The module a quantized layer belongs to: an expert's projection (`...experts.3.gate_proj`) its
+    experts module, anything else itself (`lm_head` too)."""
+    parts = fqn.split(".")
+    return ".".join(parts[:-2]) if len(parts) > 2 and parts[-2].isdigit() else fqn
+
+
 def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info) -> None:
     config = root.config.to_dict()
     config.pop("quantization_config", None)
     dtype = next((p.dtype for p in root.parameters() if p.is_floating_point()), None)
     if dtype is not None:  # the model's dtype, as transformers' save_pretrained records it
         config["dtype"] = str(dtype).removeprefix("torch.")
-    quantized = {fqn.rsplit(".", 2)[0] if fqn.split(".")[-2].isdigit() else fqn for fqn in layers}
+    quantized = {_module_of(fqn) for fqn in layers}
     exclude = _excluded(root, quantized, info)
     algos = set(layers.values())
     if algos == {GPT_OSS_MXFP4}:
@@ -104,8 +111,8 @@ def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info) ->
                 quantization["group_size"] = algo.group_size
         else:
             quantization["quant_algo"] = MIXED_PRECISION
-            quantization["quantized_layers"] = {
-                fqn: {"quant_algo": a.name, **({"group_size": a.group_size} if a.group_size else {})}
+            quantization["quantized_layers"] = {  # experts by their module, as ModelOpt names them
+                _module_of(fqn): {"quant_algo": a.name, **({"group_size": a.group_size} if a.group_size else {})}
                 for fqn, a in sorted(layers.items())
             }
         quantization["exclude_modules"] = exclude
