@@ -297,3 +297,30 @@ def test_vmap_in_the_graph_keeps_its_nesting_calls():
         got, want = m(x), model(x)
     assert backend.plan.summary().startswith("linear: 1 quantized")
     assert cosine(want, got) >= FLOOR["int8_weight_only"]
+
+
+class AttentionOutThenRouter(nn.Module):
+    """Llama 4's shape: the attention's output projection, the residual add and a norm, then the router
+    whose scores go to `topk` (the experts themselves left out)."""
+
+    def __init__(self):
+        super().__init__()
+        self.o_proj, self.norm, self.router = nn.Linear(64, 64), nn.RMSNorm(64), nn.Linear(64, 8, bias=False)
+
+    def forward(self, x):
+        h = x + self.o_proj(x)
+        weights, ids = torch.topk(self.router(self.norm(h)).softmax(-1), 2)
+        return h, weights, ids
+
+
+def test_only_the_linear_next_to_topk_is_a_router():
+    """The router search stops at the next linear: o_proj reached the router's topk within the hop
+    limit and was left alone as an MoE router."""
+    torch.manual_seed(0)
+    model, x = AttentionOutThenRouter().eval(), torch.randn(4, 64)
+    m, backend = compiled(model)
+    with torch.no_grad():
+        m(x)
+    rows = {row.fqn: row for row in backend.plan.rows}
+    assert rows["o_proj"].quantized and not rows["router"].quantized, backend.plan
+    assert "MoE router" in rows["router"].reason

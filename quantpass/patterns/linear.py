@@ -91,12 +91,14 @@ def _module_fqn(node: fx.Node, fallback: str) -> str:
 
 
 def _feeds_topk(node: fx.Node, hops: int = ROUTER_HOPS) -> bool:
-    """A linear whose output reaches `topk` within `hops` nodes is an MoE router."""
+    """A linear whose output reaches `topk` within `hops` nodes is an MoE router; not through another
+    linear (that one is the router: Llama 4's attention o_proj reached its router's topk through the
+    residual add and the norm, and was left alone as a router)."""
     frontier = list(node.users)
     for _ in range(hops):
         if any(u.target in (torch.topk, "topk") for u in frontier):
             return True
-        frontier = [v for u in frontier for v in u.users]
+        frontier = [v for u in frontier if u.target not in LINEAR_TARGETS for v in u.users]
     return False
 
 
