@@ -141,8 +141,9 @@ def test_quantize_on_load_matches_load_then_quantize(fmt, tmp_path):
     assert torch.equal(logits, expected)
 
 
-def test_quantize_on_load_moe_experts(tmp_path):
-    tiny_moe("qwen3_moe", "grouped_mm").save_pretrained(tmp_path)  # experts stored one tensor each
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])  # Mixtral: transformers saves legacy names
+def test_quantize_on_load_moe_experts(arch, tmp_path):
+    tiny_moe(arch, "grouped_mm").save_pretrained(tmp_path)  # experts stored one tensor each
     on_load = qp.from_pretrained(tmp_path, moe="int8_weight_only")
     logits, plan = run(on_load)
     assert [row.fqn for row in plan.rows if row.quantized] == [

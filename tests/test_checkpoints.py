@@ -51,11 +51,12 @@ EXPORTS = {
     "MOE_NVFP4": ("NVFP4_DEFAULT_CFG", "qwen3_moe"),
     "MOE_MIXED_PRECISION": ("MIXED", "qwen2_moe"),
     "FP8_LM_HEAD": ("FP8_LM_HEAD", "llama"),
+    "MOE_MIXTRAL_FP8": ("FP8_DEFAULT_CFG", "mixtral"),  # stored under Mixtral's legacy names (block_sparse_moe)
 }
 # cosine floors vs the dequantized reference (issue #13): weight-only, 8-bit W8A8, NVFP4 W4A4
 FLOOR = {"FP8": 0.99, "FP8_PER_CHANNEL_PER_TOKEN": 0.99, "FP8_PB_WO": 0.999, "NVFP4": 0.97, "W4A16_NVFP4": 0.999,
          "MXFP8": 0.99, "MIXED_PRECISION": 0.97, "MOE_FP8": 0.99, "MOE_NVFP4": 0.97, "MOE_MIXED_PRECISION": 0.97,
-         "FP8_LM_HEAD": 0.99}  # fmt: skip
+         "FP8_LM_HEAD": 0.99, "MOE_MIXTRAL_FP8": 0.99}  # fmt: skip
 MODELOPT_FLOOR = 0.995  # vs ModelOpt's own fake-quant forward, where it runs on CPU:
 MODELOPT_CUDA_ONLY = {"NVFP4", "W4A16_NVFP4", "MXFP8", "MIXED_PRECISION", "MOE_NVFP4", "MOE_MIXED_PRECISION"}
 
@@ -67,6 +68,13 @@ def tiny(kind: str) -> transformers.PreTrainedModel:
             num_key_value_heads=1, head_dim=32, vocab_size=VOCAB, max_position_embeddings=64,
         )  # fmt: skip
         config.architectures = ["LlamaForCausalLM"]
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(
+            hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=64,
+            initializer_range=0.1,
+        )  # fmt: skip
+        config.architectures = ["MixtralForCausalLM"]
     elif kind == "qwen2_moe":  # a shared expert beside the routed ones
         config = transformers.Qwen2MoeConfig(
             hidden_size=64, intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64,
@@ -235,8 +243,8 @@ def test_modelopt_checkpoint(name, checkpoints, tmp_path):
     if "quantized_layers" in quantization:  # MIXED_PRECISION: the listed layers, nothing else
         expected_layers = set(quantization["quantized_layers"]) & layers
         assert "model.layers.0.self_attn.o_proj" not in expected_layers
-    else:
-        expected_layers = layers - set(quantization["exclude_modules"])
+    else:  # Mixtral's exports name its MoE block by its legacy name, transformers' model `mlp`
+        expected_layers = layers - {m.replace(".block_sparse_moe.", ".mlp.") for m in quantization["exclude_modules"]}
     quantized = {row.fqn for row in plan.rows if row.quantized}
     assert quantized == expected_layers, plan
     assert all(row.reason.startswith("checkpoint: ") for row in plan.rows if row.quantized), plan

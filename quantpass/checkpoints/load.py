@@ -19,7 +19,7 @@ import contextlib
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -50,6 +50,7 @@ class CheckpointInfo:
     layout: Layout
     algos: dict = field(default_factory=dict)  # layer FQN -> Algo it was stored in
     stored_shapes: dict = field(default_factory=dict)  # tensor name -> shape as stored (byte-identical export)
+    renamed: bool = False  # its names were transformers' legacy ones (`renamings`): export writes them so again
 
 
 # ---------------------------------------------------------------------------- reading the config
@@ -140,13 +141,39 @@ def _stored_dtype(path: str) -> torch.dtype | None:
 
 
 # ---------------------------------------------------------------------------- the loader
+def renamings(model_type: str, reverse: bool = False) -> list:
+    """transformers' renamings of this model type's checkpoint names (legacy ones, as its own loader
+    applies them: Mixtral's `block_sparse_moe` is `mlp`, in transformers 5's own saves and ModelOpt's
+    exports); `reverse`: back to the stored names, for export."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming
+    except ImportError:  # a transformers without them renames nothing either
+        return []
+    found = [t for t in get_checkpoint_conversion_mapping(model_type) or () if isinstance(t, WeightRenaming)]
+    return [t.reverse_transform() for t in reversed(found)] if reverse else found
+
+
+def renamed(name: str, transforms: list) -> str:
+    """`name` (a tensor, a module or a glob over modules) through `renamings`' transforms."""
+    for transform in transforms:
+        name, _ = transform.rename_source_key(name)
+    return name
+
+
 class _Loader:
     def __init__(self, path, model, layout: Layout | None, config: QuantizationConfig, requantize: bool, device):
-        self.model, self.layout, self.config, self.requantize = model, layout, config, requantize
+        self.model, self.config, self.requantize = model, config, requantize
         self.device = torch.device(device)
-        self.entries = shards.index(path)
+        transforms = renamings(getattr(model.config, "model_type", ""))
+        self.entries = {renamed(name, transforms): entry for name, entry in shards.index(path).items()}
+        was_renamed = any(name not in self.entries for name in shards.index(path))
+        if layout is not None and was_renamed:  # its layers by the model's names too
+            per_layer = {renamed(fqn, transforms): algo for fqn, algo in layout.per_layer.items()}
+            layout = replace(layout, per_layer=per_layer, exclude=tuple(renamed(p, transforms) for p in layout.exclude))
+        self.layout = layout
         self.used: set[str] = set()
-        self.info = CheckpointInfo(path, layout or parse_quantization({}, "none", path))
+        self.info = CheckpointInfo(path, layout or parse_quantization({}, "none", path), renamed=was_renamed)
 
     def read(self, name: str) -> torch.Tensor:
         self.used.add(name)

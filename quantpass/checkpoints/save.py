@@ -19,7 +19,7 @@ from ..weights import _root, state_dict
 from . import shards
 from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, Algo, algo_for
 from .convert import from_qtensor, split_rows
-from .load import EXPERT_NAMES, _fused_experts
+from .load import EXPERT_NAMES, _fused_experts, renamed, renamings
 
 PRODUCER = {"name": "quantpass", "version": "0.1.0"}
 
@@ -61,9 +61,11 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
         else:
             layers[fqn] = algo
             _put(tensors, algo, name, value, stored)
+    transforms = renamings(root.config.model_type, reverse=True) if info is not None and info.renamed else []
+    tensors = {renamed(name, transforms): tensor for name, tensor in tensors.items()}  # the names it loaded with
     os.makedirs(path, exist_ok=True)
     shards.write(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
-    _write_configs(root, path, layers, info)
+    _write_configs(root, path, layers, info, transforms)
 
 
 def _expert_names(info, fqn: str) -> tuple[str, str, str]:
@@ -89,14 +91,15 @@ def _module_of(fqn: str) -> str:
     return ".".join(parts[:-2]) if len(parts) > 2 and parts[-2].isdigit() else fqn
 
 
-def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info) -> None:
+def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info, transforms: list) -> None:
     config = root.config.to_dict()
     config.pop("quantization_config", None)
     dtype = next((p.dtype for p in root.parameters() if p.is_floating_point()), None)
     if dtype is not None:  # the model's dtype, as transformers' save_pretrained records it
         config["dtype"] = str(dtype).removeprefix("torch.")
     quantized = {_module_of(fqn) for fqn in layers}
-    exclude = _excluded(root, quantized, info)
+    exclude = [renamed(pattern, transforms) for pattern in _excluded(root, quantized, info)]
+    layers = {renamed(fqn, transforms): algo for fqn, algo in layers.items()}
     algos = set(layers.values())
     if algos == {GPT_OSS_MXFP4}:
         config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": exclude}
