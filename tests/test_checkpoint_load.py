@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -190,6 +191,21 @@ def test_a_stored_tensor_unlike_the_model_names_itself(name, stored, message, tm
     shards.write(str(tmp_path / "model.safetensors"), {**tensors, name: stored}, {"format": "pt"})
     with pytest.raises(ValueError, match=message):
         qp.from_pretrained(tmp_path)
+
+
+def test_saving_says_when_the_checkpoint_changes_the_activations(tmp_path, caplog):
+    """NVFP4 quantized on load runs W4A4 (dynamic NVFP4 activations); ModelOpt's only NVFP4 algo without a
+    calibrated input scale is W4A16_NVFP4, which loads back weight-only: saving says so, and how to keep
+    them. MXFP8's algo stores its activations: nothing to say."""
+    tiny_llama(dtype=torch.bfloat16).save_pretrained(tmp_path / "bf16")
+    with caplog.at_level(logging.WARNING, logger="quantpass"):
+        qp.save_pretrained(qp.from_pretrained(tmp_path / "bf16", linear="mxfp8"), tmp_path / "mxfp8")
+        assert not [r for r in caplog.records if "activations" in r.getMessage()]
+        qp.save_pretrained(qp.from_pretrained(tmp_path / "bf16", linear="nvfp4"), tmp_path / "nvfp4")
+    (message,) = [r.getMessage() for r in caplog.records if "activations" in r.getMessage()]
+    assert "14 layer(s)" in message and "a W4A16_NVFP4 checkpoint declares unquantized activations" in message
+    _, plan = run(qp.from_pretrained(tmp_path / "nvfp4", linear={"activation": "kNvfp4Dynamic"}))
+    assert {row.activation for row in plan.rows if row.quantized} == {"kNvfp4Dynamic"}
 
 
 @pytest.mark.parametrize("name", sorted(n for n, k in keys.KEYS.items() if k.static))

@@ -232,8 +232,9 @@ class _Loader:
 
     def _on_load_spec(self, fqn: str, kind: str, module: nn.Module, name: str):
         """Quantize-on-load: the config's spec for a full-precision layer; the pass's default skips
-        (output head, tied weights, MoE routers) stay unquantized unless a target names them."""
-        spec = self.config.resolve(fqn, kind)
+        (output head, tied weights, MoE routers) stay unquantized unless a target names them; an
+        activation-only option is for the checkpoint's quantized layers and leaves this one alone."""
+        spec, _ = self.config.resolve_with_reason(fqn, kind)
         if spec is None or self.config.matches_target(fqn):
             return spec
         if (

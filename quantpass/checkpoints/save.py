@@ -9,12 +9,14 @@ A model loaded with `qp.from_pretrained` is written back with byte-identical ten
 from __future__ import annotations
 
 import json
+import logging
 import os
 
 import torch
 import torch.nn as nn
 
 from ..quant_registry.qtensor import QTensor
+from ..weight_cache import WEIGHTS
 from ..weights import _root, state_dict
 from . import shards
 from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, Algo, algo_for
@@ -22,6 +24,7 @@ from .convert import from_qtensor, split_rows
 from .load import EXPERT_NAMES, _fused_experts, renamed, renamings
 
 PRODUCER = {"name": "quantpass", "version": "0.1.0"}
+logger = logging.getLogger("quantpass")
 
 
 def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
@@ -35,6 +38,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
     tensors: dict[str, torch.Tensor] = {}
     layers: dict[str, Algo] = {}  # quantized module FQN (ModelOpt naming) -> its algo
     written: set[int] = set()
+    changed: dict[tuple, list[str]] = {}  # (activation it ran with, the algo it is stored in) -> layers
     for name, value in state_dict(root, quantized=True).items():
         fqn, _, param = name.rpartition(".")
         if not isinstance(value, QTensor):
@@ -50,6 +54,9 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
             algo = known
         else:
             algo = algo_for(value.key, value.input_scale is not None)
+        declared = WEIGHTS.declared(root.get_parameter(name))  # quantized on load: the spec it runs with
+        if declared is not None and declared[0].activation != algo.activation:
+            changed.setdefault((declared[0].activation, algo), []).append(fqn)
         if fqn in experts and algo is not GPT_OSS_MXFP4:
             names = _expert_names(info, fqn)
             for e in range(value.shape[0]):
@@ -61,6 +68,15 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
         else:
             layers[fqn] = algo
             _put(tensors, algo, name, value, stored)
+    for (activation, algo), fqns in changed.items():  # a checkpoint's format fixes the activations it loads with
+        ran, stores = (
+            f"{a} activations" if a is not None else "unquantized activations" for a in (activation, algo.activation)
+        )
+        logger.warning(
+            "quantpass: %d layer(s) (e.g. %s) are set up for %s; a %s checkpoint declares %s, and they load back "
+            "so: pass {'activation': '%s'} in from_pretrained's linear= / moe= to keep %s",
+            len(fqns), fqns[0], ran, algo.name, stores, activation or "none", ran,
+        )  # fmt: skip
     transforms = renamings(root.config.model_type, reverse=True) if info is not None and info.renamed else []
     tensors = {renamed(name, transforms): tensor for name, tensor in tensors.items()}  # the names it loaded with
     os.makedirs(path, exist_ok=True)
