@@ -313,6 +313,26 @@ class AttentionOutThenRouter(nn.Module):
         return h, weights, ids
 
 
+class CastRouter(nn.Module):
+    """DeepSeek-V2's router: the weight cast to fp32 in the forward, then topk."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(64, 8, bias=False)
+
+    def forward(self, x):
+        return torch.topk(nn.functional.linear(x.float(), self.gate.weight.float()).softmax(-1), 2)
+
+
+def test_a_router_whose_weight_is_cast_is_named_a_router():
+    """It was reported as a layer whose weight is not a parameter (an eligible layer left unquantized)."""
+    m, backend = compiled(CastRouter().eval())
+    with torch.no_grad():
+        m(torch.randn(4, 64))
+    (row,) = backend.plan.rows
+    assert not row.quantized and row.reason.startswith("MoE router"), row.reason
+
+
 def test_only_the_linear_next_to_topk_is_a_router():
     """The router search stops at the next linear: o_proj reached the router's topk within the hop
     limit and was left alone as an MoE router."""

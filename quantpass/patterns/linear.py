@@ -120,6 +120,8 @@ def find_linear_sites(graph: fx.Graph, example_inputs, claimed=frozenset(), expe
         if ref is None:
             fqn = _module_fqn(node, node.name)
             reason = "weight is not a parameter (computed in the graph or a buffer)"
+            if _feeds_topk(node):  # DeepSeek-V2's, GLM-4-MoE's: F.linear(x.float(), self.weight.float())
+                reason = "MoE router: its outputs pick experts: left alone by default; its weight is cast in the graph"
             sites.append(LinearSite(fqn, [], Problem(int(n), int(k)), reason, node=node, x=x, bias=bias))
             continue
         ref = ParamRef(ref.node, ref.index, ref.name, transposed=stored_kn)
