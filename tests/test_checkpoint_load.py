@@ -193,6 +193,18 @@ def test_a_stored_tensor_unlike_the_model_names_itself(name, stored, message, tm
         qp.from_pretrained(tmp_path)
 
 
+def test_quantized_bytes_in_another_dtype_name_themselves(tmp_path):
+    """An FP8 weight's bytes stored as int8 loaded as garbage and verify blamed the kernel (0.2 dB)."""
+    model = tiny_llama(dtype=torch.bfloat16)
+    run(model, linear="fp8_per_channel")
+    qp.save_pretrained(model, tmp_path)
+    tensors = {n: shards.read(e) for n, e in shards.index(str(tmp_path)).items()}
+    name = "model.layers.0.mlp.down_proj.weight"
+    shards.write(str(tmp_path / "model.safetensors"), {**tensors, name: tensors[name].view(torch.int8)}, {})
+    with pytest.raises(ValueError, match=f"{name}: FP8_PER_CHANNEL_PER_TOKEN data is stored as torch.int8"):
+        qp.from_pretrained(tmp_path)
+
+
 def test_saving_says_when_the_checkpoint_changes_the_activations(tmp_path, caplog):
     """NVFP4 quantized on load runs W4A4 (dynamic NVFP4 activations); ModelOpt's only NVFP4 algo without a
     calibrated input scale is W4A16_NVFP4, which loads back weight-only: saving says so, and how to keep

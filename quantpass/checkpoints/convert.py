@@ -10,6 +10,7 @@ ours. Only an algo's named hooks (algos.HOOKS) see anything else.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -53,6 +54,7 @@ def to_qtensor(algo: Algo, tensors: dict, shape: torch.Size, dtype: torch.dtype,
     missing = [role for role in algo.tensors if role not in tensors]
     if missing:
         raise ValueError(f"{name}: {algo.name} needs its {', '.join(missing)} tensor(s); the checkpoint has none")
+    _check_dtypes(key, tensors, name, algo.name)
     data = tensors["data"]
     if tuple(data.shape) != want["data"]:
         raise ValueError(f"{name}: {algo.name} data has shape {tuple(data.shape)}, expected {want['data']}")
@@ -72,6 +74,29 @@ def to_qtensor(algo: Algo, tensors: dict, shape: torch.Size, dtype: torch.dtype,
         dtype=dtype,
         input_scale=tensors.get("input_scale"),
     )
+
+
+@functools.cache
+def _storage_dtypes(key: QuantKey) -> tuple[torch.dtype, torch.dtype]:
+    """The data and scale dtypes quantpass holds the key's weights in (formats.quantize's)."""
+    qt = quantize(torch.ones(128, 128), key)
+    return qt.data.dtype, qt.scale.dtype
+
+
+def _check_dtypes(key: QuantKey, tensors: dict, name: str, algo: str) -> None:
+    """Stored bytes read as the key's elements only in its own dtype: FP8 data stored as int8, say, would
+    load as garbage that verify then blames on the kernel. fp32 scales may come in any float dtype."""
+    data, scale = _storage_dtypes(key)
+    found = {"data": tensors["data"].dtype, "scale": tensors["scale"].dtype}
+    allowed = {
+        "data": {data},
+        "scale": {scale, torch.float8_e8m0fnu} if scale == torch.uint8 else {scale} if scale.itemsize == 1 else None,
+    }
+    for role, dtype in found.items():
+        ok = dtype.is_floating_point and dtype.itemsize >= 2 if allowed[role] is None else dtype in allowed[role]
+        if not ok:
+            want = "a float dtype" if allowed[role] is None else " or ".join(sorted(map(str, allowed[role])))
+            raise ValueError(f"{name}: {algo} {role} is stored as {dtype}; {key} reads it as {want}")
 
 
 def from_qtensor(algo: Algo, qt: QTensor, shapes: dict | None = None) -> dict:
