@@ -205,6 +205,25 @@ def test_quantized_bytes_in_another_dtype_name_themselves(tmp_path):
         qp.from_pretrained(tmp_path)
 
 
+def test_broken_checkpoint_directories_say_what_is_wrong(tmp_path):
+    """Each named the problem only indirectly: a JSON or struct error with no file, a missing shard as
+    a layer's missing scale, a bare KeyError, transformers' "Repo id must be in the form ..."."""
+    tiny_llama(dtype=torch.bfloat16).save_pretrained(tmp_path / "ok")
+    with pytest.raises(FileNotFoundError, match="'.*no-such-dir' is not a checkpoint directory"):
+        qp.from_pretrained(tmp_path / "no-such-dir")
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "model.safetensors").write_bytes(b"")
+    with pytest.raises(ValueError, match=r"empty/model.safetensors: not a readable safetensors file"):
+        shards.index(str(tmp_path / "empty"))
+    index = {"weight_map": {"lm_head.weight": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "ok" / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(FileNotFoundError, match=r"lists shard\(s\) not there: \['model-00002-of-00002"):
+        qp.from_pretrained(tmp_path / "ok")
+    quantization = {"quant_algo": "MIXED_PRECISION", "quantized_layers": {"lm_head": {"group_size": 16}}}
+    with pytest.raises(ValueError, match="quantized_layers entry 'lm_head' has no quant_algo"):
+        qp.checkpoints.algos.parse_quantization(quantization, "modelopt", "hf_quant_config.json")
+
+
 def test_saving_says_when_the_checkpoint_changes_the_activations(tmp_path, caplog):
     """NVFP4 quantized on load runs W4A4 (dynamic NVFP4 activations); ModelOpt's only NVFP4 algo without a
     calibrated input scale is W4A16_NVFP4, which loads back weight-only: saving says so, and how to keep

@@ -185,6 +185,9 @@ def parse_quantization(quant: dict, producer: str, where: str) -> Layout:
         return Layout(producer, None, None, {}, exclude)
     if str(name).upper() == MIXED_PRECISION:
         layers = quant.get("quantized_layers") or {}
+        missing = [fqn for fqn, entry in layers.items() if not isinstance(entry, dict) or "quant_algo" not in entry]
+        if missing:
+            raise ValueError(f"{where}: quantized_layers entry {missing[0]!r} has no quant_algo")
         per_layer = {fqn: algo(entry["quant_algo"], f"{where}: layer {fqn!r}") for fqn, entry in layers.items()}
         return Layout(producer, MIXED_PRECISION, None, per_layer, exclude)
     return Layout(producer, algo(name, where).name, algo(name, where), {}, exclude)

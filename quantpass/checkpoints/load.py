@@ -432,6 +432,8 @@ def from_pretrained(
     tensors stored in another are cast as they load); by default the config's, else the one most of the
     stored full-precision bytes have, as transformers' `dtype="auto"`."""
     path = os.fspath(path)
+    if not os.path.isdir(path):  # else transformers reads it as a Hub repo id (quantpass never downloads)
+        raise FileNotFoundError(f"{path!r} is not a checkpoint directory (config.json and *.safetensors)")
     unknown = sorted(set(options) - set(CONFIG_OPTIONS))
     if unknown:
         valid = ", ".join(("device", "dtype", "requantize", *CONFIG_OPTIONS))

@@ -46,8 +46,13 @@ class Entry:
 def read_header(path: str) -> tuple[dict[str, Entry], dict]:
     """name -> Entry for every tensor of one shard, and the shard's metadata."""
     with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
+        try:
+            (length,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(length))
+        except (struct.error, ValueError) as error:  # empty, truncated or not safetensors
+            raise ValueError(f"{path}: not a readable safetensors file ({error})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a readable safetensors file (its header is no JSON object)")
     metadata = header.pop("__metadata__", {}) or {}
     entries = {}
     for name, info in header.items():
@@ -66,6 +71,13 @@ def index(directory: str) -> dict[str, Entry]:
     entries: dict[str, Entry] = {}
     for name in files:
         entries.update(read_header(os.path.join(directory, name))[0])
+    listed = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(listed):  # a sharded checkpoint: every shard its index names must be here
+        with open(listed) as f:
+            weight_map = json.load(f).get("weight_map") or {}
+        missing = sorted({shard for shard in weight_map.values() if shard not in files})
+        if missing:
+            raise FileNotFoundError(f"{directory}: model.safetensors.index.json lists shard(s) not there: {missing}")
     return entries
 
 
