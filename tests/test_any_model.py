@@ -344,3 +344,49 @@ def test_only_the_linear_next_to_topk_is_a_router():
     rows = {row.fqn: row for row in backend.plan.rows}
     assert rows["o_proj"].quantized and not rows["router"].quantized, backend.plan
     assert "MoE router" in rows["router"].reason
+
+
+class BranchyBlock(nn.Module):
+    """A data-dependent branch in the forward: Dynamo compiles this forward as frames of its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        h = self.up(x)
+        if h.sum() > 0:  # a graph break
+            h = h * 2
+        return self.down(h)
+
+
+class Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([BranchyBlock(), BranchyBlock()])
+        self.head = nn.Linear(64, 8)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_layers_keep_their_model_names_after_a_graph_break(caplog):
+    """A graph break in a block's forward makes Dynamo compile that forward on its own, and its graph
+    named layers from the block (`up`, `down` for every block: DBRX, JetMoE, Switch, NLLB-MoE,
+    Longformer): full-path `ignore` / `targets` matched nothing, silently. Names are now the model's, a
+    full-path pattern applies where the graph is compiled for that instance, and a config that treats
+    instances differently is said to be at Dynamo's mercy."""
+    torch.manual_seed(0)
+    model, x = Branchy().eval(), torch.randn(4, 64)
+    m, backend = compiled(model, ignore=["layers.1.down"])
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="quantpass"):
+        got = m(x)
+        want = model(x)
+    rows = {row.fqn: row for plan in backend.plans for row in plan.rows}
+    assert {"layers.0.up", "layers.0.down"} <= set(rows) and all(f.startswith("layers.") for f in rows), sorted(rows)
+    assert rows["layers.0.up"].quantized and "in a graph of layers.0's forward" in rows["layers.0.up"].reason
+    assert "layers.1.down" not in rows or not rows["layers.1.down"].quantized  # where compiled for layers.1
+    assert any("the config gives layers.1.down another spec" in r.getMessage() for r in caplog.records)
+    assert cosine(want, got) >= FLOOR["int8_weight_only"]

@@ -33,6 +33,7 @@ from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantizationConfig, QuantSpec
 from ..weight_cache import WEIGHTS
 from .build import build_and_verify
+from .frame_names import name_from_the_model
 from .fx_utils import add_placeholders, copy_graph, eliminate_dead_code, set_placeholder_values, state_changes
 from .lower import lowering_for
 from .lower_site import SiteLowering
@@ -249,6 +250,7 @@ def quantize_graph(
     gm = normalize(gm, example_inputs)  # a sharded model's layers spelled on local tensors (a copy)
     new_gm, copies = copy_graph(gm)  # sites are found on (and rewrite) the copy
     sites, rows = find_sites(new_gm.graph, example_inputs)
+    name_from_the_model(sites, rows, example_inputs, config)  # a submodule's frame: its names in the model
     decided = plan_sites(sites, example_inputs, config, grad_enabled, requantize)
     plan = Plan(rows + [d.row if isinstance(d, QuantizedSite) else d for d in decided])
     chosen = [d for d in decided if isinstance(d, QuantizedSite)]
