@@ -166,8 +166,9 @@ class _Loader:
         self.model, self.config, self.requantize = model, config, requantize
         self.device = torch.device(device)
         transforms = renamings(getattr(model.config, "model_type", ""))
-        self.entries = {renamed(name, transforms): entry for name, entry in shards.index(path).items()}
-        was_renamed = any(name not in self.entries for name in shards.index(path))
+        stored = shards.index(path)
+        self.entries = {renamed(name, transforms): entry for name, entry in stored.items()}
+        was_renamed = any(name not in self.entries for name in stored)
         if layout is not None and was_renamed:  # its layers by the model's names too
             per_layer = {renamed(fqn, transforms): algo for fqn, algo in layout.per_layer.items()}
             layout = replace(layout, per_layer=per_layer, exclude=tuple(renamed(p, transforms) for p in layout.exclude))

@@ -38,7 +38,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
     tensors: dict[str, torch.Tensor] = {}
     layers: dict[str, Algo] = {}  # quantized module FQN (ModelOpt naming) -> its algo
     written: set[int] = set()
-    changed: dict[tuple, list[str]] = {}  # (activation it ran with, the algo it is stored in) -> layers
+    changed: dict[tuple, list[str]] = {}  # (activation it is set up for, the algo storing it) -> layers
     for name, value in state_dict(root, quantized=True).items():
         fqn, _, param = name.rpartition(".")
         if not isinstance(value, QTensor):

@@ -5,8 +5,8 @@ attention) makes Dynamo compile that forward as a frame of its own, whose graph 
 the submodule (`attn.Wqkv`), the same for every block. The plan, `ignore` and `targets` then saw
 those names: full paths matched nothing, silently. `frame_prefix` finds the path of the frame's
 module in the compiled model (its parameters are the graph's inputs) so the pass names layers as
-the model does; `shared_instances` lists the other modules the same graph serves (Dynamo reuses one
-graph for every instance of the class), for which the plan of the first applies.
+the model does; `shared_instances` lists the other modules of the frame's class, which Dynamo may run
+on the same graph (its guards decide), and then with the plan of the instance it was compiled for.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def frame_prefix(root: nn.Module, relative: dict[int, str], example_inputs) -> s
 
 
 def shared_instances(root: nn.Module, prefix: str) -> list[str]:
-    """The paths of the other modules of the frame's module's class: Dynamo runs them on the same graph."""
+    """The paths of the other modules of the frame's module's class (Dynamo may run them on the same graph)."""
     module = root.get_submodule(prefix.removesuffix("."))
     return [path for path, other in root.named_modules() if type(other) is type(module) and other is not module]
 
