@@ -390,3 +390,26 @@ def test_layers_keep_their_model_names_after_a_graph_break(caplog):
     assert "layers.1.down" not in rows or not rows["layers.1.down"].quantized  # where compiled for layers.1
     assert any("the config gives layers.1.down another spec" in r.getMessage() for r in caplog.records)
     assert cosine(want, got) >= FLOOR["int8_weight_only"]
+
+
+class BatchedExperts(nn.Module):
+    """Llama 4's experts: one 3-D weight, a bmm over every expert (no top-k ids to route by)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(4, 64, 32) / 8)
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        h = torch.bmm(self.proj(x).expand(4, -1, -1), self.gate_up_proj)
+        return h.sum(0)
+
+
+def test_experts_no_pattern_claims_have_a_plan_row():
+    """They were missing from the plan, silently (Llama 4's experts)."""
+    m, backend = compiled(BatchedExperts().eval())
+    with torch.no_grad():
+        m(torch.randn(3, 64))
+    rows = {row.fqn: row for row in backend.plan.rows}
+    assert rows["proj"].quantized and not rows["gate_up_proj"].quantized, sorted(rows)
+    assert "3-D weight of a batched matmul" in rows["gate_up_proj"].reason

@@ -14,6 +14,7 @@ unquantized model plus one layer.
 from __future__ import annotations
 
 import logging
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -99,7 +100,29 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
             PlanRow(fqn, Kind.MOE, None, None, None, f"left to the linear pass: {why}") for fqn, why in matches.unproven
         ]
     sites = [*moe_sites, *find_linear_sites(graph, example_inputs, claimed, expert_linears)]
-    return adapt_sites(sites, example_inputs), rows
+    return adapt_sites(sites, example_inputs), rows + _unmatched_expert_weights(graph, example_inputs, sites)
+
+
+BATCHED_MATMULS = {torch.bmm, torch.matmul, operator.matmul, torch.baddbmm, torch.einsum}
+
+
+def _unmatched_expert_weights(graph: fx.Graph, example_inputs, sites: list[Site]) -> list[PlanRow]:
+    """A row for each 3-D parameter a batched matmul reads (within a few view ops) that no site holds:
+    experts quantpass can't prove or split into per-expert GEMMs (Llama 4's: a bmm over every expert, no
+    top-k ids) were missing from the plan, silently."""
+    held = {ref.index for site in sites for ref in site.params}
+    rows = []
+    for node, ref in param_refs(graph, example_inputs).items():
+        if ref.index in held or example_inputs[ref.index].dim() != 3:
+            continue
+        frontier = list(node.users)
+        for _ in range(3):  # the parameter, then a transpose / view / cast or two, then the matmul
+            if any(u.target in BATCHED_MATMULS for u in frontier):
+                reason = "3-D weight of a batched matmul outside the MoE forms quantpass recognises: left unquantized"
+                rows.append(PlanRow(ref.name, Kind.MOE, None, None, None, reason))
+                break
+            frontier = [v for u in frontier for v in u.users]
+    return rows
 
 
 def _value(node) -> torch.Tensor | None:
