@@ -413,3 +413,16 @@ def test_experts_no_pattern_claims_have_a_plan_row():
     rows = {row.fqn: row for row in backend.plan.rows}
     assert rows["proj"].quantized and not rows["gate_up_proj"].quantized, sorted(rows)
     assert "3-D weight of a batched matmul" in rows["gate_up_proj"].reason
+
+
+def test_a_router_without_topk_is_found_by_the_layer_it_routes():
+    """PhiMoE's sparsemixer picks experts with max and masked_fill, not topk: its router linear was
+    quantized like any linear (a proven MoE layer's routing now marks the linear feeding it)."""
+    from tiny_moe_models import tiny_moe
+
+    model = tiny_moe("phimoe", "grouped_mm")
+    m, backend = compiled(model)
+    with torch.no_grad():
+        m(torch.randint(0, model.config.vocab_size, (1, 9)))
+    routers = [row for row in backend.plan.rows if row.fqn.endswith("mlp.router")]
+    assert len(routers) == 2 and all(row.reason.startswith("MoE router") for row in routers), backend.plan

@@ -56,6 +56,9 @@ CONFIGS = {
         mlp_only_layers=[],
         norm_topk_prob=True,
     ),
+    "phimoe": lambda: transformers.PhimoeConfig(  # sparsemixer routing: max and masked_fill, no topk
+        **COMMON, intermediate_size=64, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2
+    ),
     "olmoe": lambda: transformers.OlmoeConfig(
         **COMMON, intermediate_size=32, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, eos_token_id=1
     ),

@@ -99,7 +99,8 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
         rows = [
             PlanRow(fqn, Kind.MOE, None, None, None, f"left to the linear pass: {why}") for fqn, why in matches.unproven
         ]
-    sites = [*moe_sites, *find_linear_sites(graph, example_inputs, claimed, expert_linears)]
+    routing = {n for site in moe_sites for n in (getattr(site, "topk_ids", None), getattr(site, "topk_weights", None))}
+    sites = [*moe_sites, *find_linear_sites(graph, example_inputs, claimed, expert_linears, routing - {None})]
     return adapt_sites(sites, example_inputs), rows + _unmatched_expert_weights(graph, example_inputs, sites)
 
 

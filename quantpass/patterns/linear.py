@@ -90,20 +90,24 @@ def _module_fqn(node: fx.Node, fallback: str) -> str:
     return re.sub(r"^L\['[^']*'\](\.\d+)*\.?", "", path) or fallback
 
 
-def _feeds_topk(node: fx.Node, hops: int = ROUTER_HOPS) -> bool:
-    """A linear whose output reaches `topk` within `hops` nodes is an MoE router; not through another
-    linear (that one is the router: Llama 4's attention o_proj reached its router's topk through the
-    residual add and the norm, and was left alone as a router)."""
+def _feeds_topk(node: fx.Node, hops: int = ROUTER_HOPS, routing=frozenset()) -> bool:
+    """A linear whose output reaches `topk`, or a proven MoE layer's routing (`routing`: its top-k ids
+    and weights, however computed: PhiMoE's sparsemixer picks experts with max and masked_fill), within
+    `hops` nodes is an MoE router; not through another linear (that one is the router: Llama 4's
+    attention o_proj reached its router's topk through the residual add and the norm)."""
     frontier = list(node.users)
     for _ in range(hops):
-        if any(u.target in (torch.topk, "topk") for u in frontier):
+        if any(u.target in (torch.topk, "topk") or u in routing for u in frontier):
             return True
         frontier = [v for u in frontier if u.target not in LINEAR_TARGETS for v in u.users]
     return False
 
 
-def find_linear_sites(graph: fx.Graph, example_inputs, claimed=frozenset(), expert_linears=None) -> list[LinearSite]:
-    """Every linear-like node not inside a claimed (MoE) region, as a site or a skipped site."""
+def find_linear_sites(
+    graph: fx.Graph, example_inputs, claimed=frozenset(), expert_linears=None, routing=frozenset()
+) -> list[LinearSite]:
+    """Every linear-like node not inside a claimed (MoE) region, as a site or a skipped site; `routing`:
+    the proven MoE layers' top-k ids and weights (a linear feeding them is their router)."""
     expert_linears = expert_linears or {}
     params = param_refs(graph, example_inputs)
     embedded = {n.args[1] for n in graph.nodes if n.op == "call_function" and n.target is F.embedding}
@@ -120,7 +124,7 @@ def find_linear_sites(graph: fx.Graph, example_inputs, claimed=frozenset(), expe
         if ref is None:
             fqn = _module_fqn(node, node.name)
             reason = "weight is not a parameter (computed in the graph or a buffer)"
-            if _feeds_topk(node):  # DeepSeek-V2's, GLM-4-MoE's: F.linear(x.float(), self.weight.float())
+            if _feeds_topk(node, routing=routing):  # DeepSeek-V2's: F.linear(x.float(), w.float())
                 reason = "MoE router: its outputs pick experts: left alone by default; its weight is cast in the graph"
             sites.append(LinearSite(fqn, [], Problem(int(n), int(k)), reason, node=node, x=x, bias=bias))
             continue
@@ -136,7 +140,7 @@ def find_linear_sites(graph: fx.Graph, example_inputs, claimed=frozenset(), expe
             site.default_ignore = "weight tied to an embedding"
         elif fqn.split(".")[-1] == "lm_head":
             site.default_ignore = "output head (lm_head)"
-        elif _feeds_topk(node):
+        elif _feeds_topk(node, routing=routing):
             site.default_ignore = "MoE router: its outputs pick experts"
         sites.append(site)
     from .attention import find_attention_sites  # its sites are linear sites: a cycle
