@@ -51,9 +51,8 @@ def frame_prefix(root: nn.Module, relative: dict[int, str], example_inputs) -> s
     return prefixes.pop() if len(prefixes) == 1 else ""
 
 
-def shared_instances(root: nn.Module, prefix: str) -> list[str]:
+def shared_instances(root: nn.Module, module: nn.Module) -> list[str]:
     """The paths of the other modules of the frame's module's class (Dynamo may run them on the same graph)."""
-    module = root.get_submodule(prefix.removesuffix("."))
     return [path for path, other in root.named_modules() if type(other) is type(module) and other is not module]
 
 
@@ -68,8 +67,9 @@ def name_from_the_model(sites: list, rows: list, example_inputs, config) -> None
         return
     for item in (*sites, *rows):
         item.fqn = prefix + item.fqn
-    others, frame = shared_instances(root, prefix), prefix.removesuffix(".")
-    kind_of = type(root.get_submodule(frame)).__name__
+    frame = prefix.removesuffix(".")
+    module = root.get_submodule(frame)
+    others, kind_of = shared_instances(root, module), type(module).__name__
     for site in sites:
         reuse = f" (Dynamo may run it for the {len(others)} other {kind_of} modules too)" if others else ""
         site.notes.append(f"in a graph of {frame}'s forward, compiled on its own after a graph break{reuse}")

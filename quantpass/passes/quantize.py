@@ -24,6 +24,7 @@ import torch.fx as fx
 from ..distributed import adapt_sites, check_shards, local_tensor, normalize
 from ..kernels.ops import op_tensors
 from ..kernels.oracle import Capability, NoKernelError
+from ..patterns.fx_match import reaches
 from ..patterns.linear import find_linear_sites
 from ..patterns.site import ParamRef, Site, param_refs
 from ..plan import Plan, PlanRow
@@ -116,13 +117,9 @@ def _unmatched_expert_weights(graph: fx.Graph, example_inputs, sites: list[Site]
     for node, ref in param_refs(graph, example_inputs).items():
         if ref.index in held or example_inputs[ref.index].dim() != 3:
             continue
-        frontier = list(node.users)
-        for _ in range(3):  # the parameter, then a transpose / view / cast or two, then the matmul
-            if any(u.target in BATCHED_MATMULS for u in frontier):
-                reason = "3-D weight of a batched matmul outside the MoE forms quantpass recognises: left unquantized"
-                rows.append(PlanRow(ref.name, Kind.MOE, None, None, None, reason))
-                break
-            frontier = [v for u in frontier for v in u.users]
+        if reaches(node, lambda u: u.target in BATCHED_MATMULS, 3):  # through a transpose / view / cast or two
+            reason = "3-D weight of a batched matmul outside the MoE forms quantpass recognises: left unquantized"
+            rows.append(PlanRow(ref.name, Kind.MOE, None, None, None, reason))
     return rows
 
 

@@ -23,6 +23,17 @@ LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 ROUTER_HOPS = 6
 
 
+def reaches(node: fx.Node, found, hops: int, through=lambda node: True) -> bool:
+    """Whether a node `found` accepts is a user of `node` within `hops` steps, stepping on only through
+    nodes `through` accepts."""
+    frontier = list(node.users)
+    for _ in range(hops):
+        if any(found(u) for u in frontier):
+            return True
+        frontier = [v for u in frontier if through(u) for v in u.users]
+    return False
+
+
 def value(node):
     return node.meta.get("example_value", node.meta.get("val")) if isinstance(node, fx.Node) else None
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..problem import Problem
 from ..quant_registry.names import Kind
-from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument
+from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument, reaches
 from .site import ParamRef, Site, param_refs
 
 MATMUL_TARGETS = {operator.matmul, torch.matmul}
@@ -95,12 +95,9 @@ def _feeds_topk(node: fx.Node, hops: int = ROUTER_HOPS, routing=frozenset()) -> 
     and weights, however computed: PhiMoE's sparsemixer picks experts with max and masked_fill), within
     `hops` nodes is an MoE router; not through another linear (that one is the router: Llama 4's
     attention o_proj reached its router's topk through the residual add and the norm)."""
-    frontier = list(node.users)
-    for _ in range(hops):
-        if any(u.target in (torch.topk, "topk") or u in routing for u in frontier):
-            return True
-        frontier = [v for u in frontier if u.target not in LINEAR_TARGETS for v in u.users]
-    return False
+    return reaches(
+        node, lambda u: u.target in (torch.topk, "topk") or u in routing, hops, lambda u: u.target not in LINEAR_TARGETS
+    )
 
 
 def find_linear_sites(

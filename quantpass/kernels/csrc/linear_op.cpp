@@ -135,6 +135,12 @@ void setup(int64_t address, int64_t moe_address, std::vector<std::string> keys, 
   moe_entry = reinterpret_cast<MoeEntry>(moe_address);
 }
 
+// The format kernels' row for a pair ("weight key|activation key", kernels/cpu_graph.py's graph_tables).
+std::unordered_map<std::string, Format>::const_iterator find_format(c10::string_view weight_key,
+                                                                   c10::string_view activation_key) {
+  return formats.find(std::string(weight_key) + "|" + std::string(activation_key));
+}
+
 int64_t index_of(const std::vector<std::string> &names, c10::string_view name) {
   for (size_t i = 0; i < names.size(); i++)
     if (names[i] == name) return (int64_t)i;
@@ -231,7 +237,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w_data, const at::Tenso
       return out;
     }
     const auto format = found == fast.end() && rows.stride(1) == 1
-                            ? formats.find(std::string(weight_key) + "|" + std::string(activation_key))
+                            ? find_format(weight_key, activation_key)
                             : formats.end();
     at::Tensor out;
     if (format != formats.end() &&
@@ -293,6 +299,8 @@ struct Layer {
 
 const uint8_t *bytes(const at::Tensor &t) { return static_cast<const uint8_t *>(t.data_ptr()); }
 
+const float *pointer(const at::Tensor &t) { return t.defined() ? t.data_ptr<float>() : nullptr; }  // or none
+
 // kernels/cpu_fp8.py's moe_experts (its `_grid` and `_scales` checks): qp_moe_fp8 where they pass, else
 // an undefined tensor (the Python op then runs the layer).
 at::Tensor fp8_moe(const Format &f, const Layer &layer, const at::Tensor &w13_data, const at::Tensor &w13_scale,
@@ -320,7 +328,6 @@ at::Tensor fp8_moe(const Format &f, const Layer &layer, const at::Tensor &w13_da
       static_scales[i] = (*given[i])->to(c10::ScalarType::Float).reshape({-1}).expand({E}).contiguous();
     }
   }
-  const auto pointer = [](const at::Tensor &t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   return layer.run(fp8_moe_entry, f.most, bytes(w13_data), w13_scale.data_ptr(), kp[0], srows[0], sld[0],
                    bytes(w2_data), w2_scale.data_ptr(), kp[1], srows[1], sld[1], f.group,
                    reinterpret_cast<const float *>(f.lut), (int)f.act, f.act_group, pointer(static_scales[0]),
@@ -346,7 +353,6 @@ at::Tensor fp4_moe(const Format &f, const Layer &layer, const at::Tensor &w13_da
       g[i] = (*scale2[i])->to(c10::ScalarType::Float).reshape({-1}).div(2).contiguous();
     }
   }
-  const auto pointer = [](const at::Tensor &t) { return t.defined() ? t.data_ptr<float>() : nullptr; };
   return layer.run(fp4_moe_entry, f.most, bytes(w13_data), bytes(w13_scale), kp[0], pointer(g[0]), bytes(w2_data),
                    bytes(w2_scale), kp[1], pointer(g[1]), (int)f.group, reinterpret_cast<const float *>(f.lut),
                    (int)f.act, reinterpret_cast<const void *>(f.codes), eps);
@@ -373,7 +379,7 @@ at::Tensor fused_moe(const at::Tensor &hidden, const at::Tensor &topk_weights, c
     const int64_t H = hidden.size(-1), T = H ? hidden.numel() / H : 0;
     const auto found = fast.find(std::string(weight_key));
     const auto format = found == fast.end()
-                            ? formats.find(std::string(weight_key) + "|" + std::string(activation_key))
+                            ? find_format(weight_key, activation_key)
                             : formats.end();
     const Fast *f = found != fast.end() && moe_entry ? &found->second : nullptr;
     const bool per_token = f && !activation_key.empty() && activation_key == f->per_token;
