@@ -3,12 +3,14 @@
 Everything a format implies is derived from its `(weight, activation)` QuantKey pair (convert.py:
 scale shapes, padding, packing, what the layer runs with); a row adds only the checkpoint's
 tensor names and, where a format truly differs, a named hook (`HOOKS`). ModelOpt's `quant_algo`s
-(NVIDIA Model Optimizer's `hf_quant_config.json`) and gpt-oss's MXFP4 release are rows alike.
+(NVIDIA Model Optimizer's `hf_quant_config.json`), gpt-oss's MXFP4 release and transformers'
+fine-grained FP8 (`quant_method: fp8`: DeepSeek-V3/R1, Qwen3 FP8 releases) are rows alike.
 To support a new format: add a row; add a hook only for what the key pair can't say.
 """
 
 from __future__ import annotations
 
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -16,6 +18,7 @@ import torch
 
 from ..quant_registry.keys import (
     QuantKey,
+    kFp8Dynamic128Sym,
     kFp8DynamicTokenSym,
     kFp8Static128BlockSym,
     kFp8StaticChannelSym,
@@ -33,6 +36,9 @@ from ..quant_registry.spec import QuantSpec, pattern_matches
 # writes `{p}_blocks` / `{p}_scales` for its fused expert parameters.
 MODELOPT_NAMES = {"data": "{p}", "scale": "{p}_scale", "scale2": "{p}_scale_2", "input_scale": "{m}.input_scale"}
 GPT_OSS_NAMES = {"data": "{p}_blocks", "scale": "{p}_scales"}
+# transformers' fine-grained FP8 writes the per-block dequantization multiplier as `{p}_scale_inv`
+# (DeepSeek's name: the inverse of the scale the weight was multiplied by).
+HF_FP8_NAMES = {"data": "{p}", "scale": "{p}_scale_inv"}
 
 
 @dataclass(frozen=True)
@@ -76,6 +82,11 @@ ALGOS: dict[str, Algo] = {
 # gpt-oss's release (config.json `quantization_config: {"quant_method": "mxfp4"}`): fused experts only.
 GPT_OSS_MXFP4 = Algo("MXFP4", kMxfp4Static, None, ("data", "scale"), GPT_OSS_NAMES, hooks=("gpt_oss_blocks",),
                      group_size=32)
+# transformers' fine-grained FP8 (`quant_method: fp8`, `weight_block_size: [128, 128]`, dynamic activations in
+# 1x128 groups: DeepSeek's recipe, quantpass's fp8_per_block); `scale_fmt: ue8m0` stores power-of-two scales.
+HF_FP8 = {"float": Algo("FP8_BLOCK", kFp8Static128BlockSym, kFp8Dynamic128Sym, ("data", "scale"), HF_FP8_NAMES),
+          "ue8m0": Algo("FP8_BLOCK_UE8M0", kFp8Static128BlockSym, kFp8Dynamic128Sym, ("data", "scale"), HF_FP8_NAMES,
+                        hooks=("e8m0_scale",))}
 # fmt: on
 MIXED_PRECISION = "MIXED_PRECISION"  # per-layer algos in `quantized_layers`
 QUANT_ALGOS = (*ALGOS, MIXED_PRECISION)
@@ -109,11 +120,17 @@ def _gpt_oss_blocks(role: str, tensor: torch.Tensor, want) -> torch.Tensor:
     return tensor.flatten(-2) if role == "data" and tensor.dim() == len(want) + 1 else tensor
 
 
+def _e8m0_scale(role: str, tensor: torch.Tensor, want) -> torch.Tensor:
+    """FP8_BLOCK_UE8M0: power-of-two block scales stored as e8m0 bytes; as fp32 they are the same values."""
+    return tensor.float() if role == "scale" and tensor.dtype == torch.float8_e8m0fnu else tensor
+
+
 # hook name -> fn(role, checkpoint tensor, canonical shape) -> tensor to use (None: drop it)
 HOOKS = {
     "block_scale_shape": _block_scale_shape,
     "drop_input_scale": _drop_input_scale,
     "gpt_oss_blocks": _gpt_oss_blocks,
+    "e8m0_scale": _e8m0_scale,
 }
 # hook name -> roles the hook reads even though the algo doesn't store them
 EXTRA_ROLES = {"drop_input_scale": ("input_scale",)}
@@ -147,14 +164,15 @@ class Layout:
     """What a checkpoint says about its layers: per layer FQN (a linear module, or an experts
     module), the Algo it is stored in, or None for layers stored unquantized."""
 
-    producer: str  # "modelopt", "gpt-oss" or "none"
+    producer: str  # "modelopt", "gpt-oss", "transformers" (its fine-grained FP8) or "none"
     quant_algo: str | None
     default: Algo | None  # every linear not excluded (None: per-layer or none)
     per_layer: dict  # MIXED_PRECISION: module FQN -> Algo
     exclude: tuple[str, ...]
 
     def algo_of(self, fqn: str) -> Algo | None:
-        if any(_excluded(pattern, fqn) for pattern in self.exclude):
+        excluded = _skipped if self.producer == "transformers" else _excluded
+        if any(excluded(pattern, fqn) for pattern in self.exclude):
             return None
         if self.per_layer:
             return self.per_layer.get(fqn)
@@ -174,11 +192,21 @@ def _excluded(pattern: str, fqn: str) -> bool:
     return pattern_matches(pattern, fqn) or pattern_matches(pattern.rstrip("*").rstrip(".") + ".*", fqn)
 
 
+def _skipped(pattern: str, fqn: str) -> bool:
+    """transformers' `modules_to_not_convert`: a regex from the start up to a module boundary
+    (`model.layers.1` skips `model.layers.1.mlp`, not `model.layers.11`), or a suffix (`lm_head`)."""
+    return re.match(rf"(?:{pattern})(?:(?<=\.)|(?=\.|$))", fqn) is not None or fqn.endswith(pattern)
+
+
 def parse_quantization(quant: dict, producer: str, where: str) -> Layout:
     """A ModelOpt `quantization` section (hf_quant_config.json) or gpt-oss's quantization_config."""
     if producer == "gpt-oss":
         exclude = tuple(quant.get("modules_to_not_convert") or ())
         return Layout(producer, GPT_OSS_MXFP4.name, GPT_OSS_MXFP4, {}, exclude)
+    if producer == "transformers":
+        row = _hf_fp8(quant, where)
+        exclude = tuple(quant.get("modules_to_not_convert") or quant.get("ignored_layers") or ())
+        return Layout(producer, row.name, row, {}, exclude)
     name = quant.get("quant_algo")
     exclude = tuple(quant.get("exclude_modules") or quant.get("ignore") or ())
     if name is None:
@@ -191,3 +219,38 @@ def parse_quantization(quant: dict, producer: str, where: str) -> Layout:
         per_layer = {fqn: algo(entry["quant_algo"], f"{where}: layer {fqn!r}") for fqn, entry in layers.items()}
         return Layout(producer, MIXED_PRECISION, None, per_layer, exclude)
     return Layout(producer, algo(name, where).name, algo(name, where), {}, exclude)
+
+
+# transformers' fine-grained FP8 settings quantpass reads, and the values it reads in each (the first
+# is transformers' default, for a setting the config leaves out)
+HF_FP8_SETTINGS = {
+    "weight_block_size": ([128, 128],),
+    "activation_scheme": ("dynamic",),
+    "scale_fmt": tuple(HF_FP8),
+    "expert_dtype": ("fp8",),
+}
+
+
+def _hf_fp8(quant: dict, where: str) -> Algo:
+    """The row of a `quant_method: fp8` config; a setting quantpass has no kernel layout for raises,
+    naming it and what is read."""
+    for setting, valid in HF_FP8_SETTINGS.items():
+        value = quant.get(setting)
+        value = list(value) if isinstance(value, tuple | list) else value
+        if value is not None and value not in valid:
+            raise ValueError(
+                f"{where}: fp8 {setting} {value!r} is not supported; quantpass reads: {', '.join(map(str, valid))}"
+            )
+    return HF_FP8[quant.get("scale_fmt") or "float"]
+
+
+def hf_quantization_config(algo: Algo, exclude: list[str]) -> dict:
+    """config.json's `quantization_config` for a checkpoint of one non-ModelOpt row (export)."""
+    if algo is GPT_OSS_MXFP4:
+        return {"quant_method": "mxfp4", "modules_to_not_convert": exclude}
+    scale_fmt = next(fmt for fmt, row in HF_FP8.items() if row is algo)
+    settings = {setting: valid[0] for setting, valid in HF_FP8_SETTINGS.items()}
+    return {"quant_method": "fp8", **settings, "scale_fmt": scale_fmt, "modules_to_not_convert": exclude or None}
+
+
+NON_MODELOPT = (GPT_OSS_MXFP4, *HF_FP8.values())  # rows a checkpoint's config.json declares on its own

@@ -113,6 +113,8 @@ def from_qtensor(algo: Algo, qt: QTensor, shapes: dict | None = None) -> dict:
         out["input_scale"] = qt.input_scale
     if "gpt_oss_blocks" in algo.hooks:
         out["data"] = out["data"].unflatten(-1, (-1, key.group_shape.col // 2))
+    if "e8m0_scale" in algo.hooks:  # power-of-two scales: exact as e8m0 bytes again
+        out["scale"] = out["scale"].to(torch.float8_e8m0fnu)
     for role, stored in (shapes or {}).items():
         if role in out and out[role].numel() == torch.Size(stored).numel():
             out[role] = out[role].reshape(stored)

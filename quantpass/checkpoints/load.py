@@ -3,7 +3,7 @@
 The model is built with its parameters on the meta device (buffers such as rotary tables are
 computed as usual), then filled from the safetensors shards one tensor at a time:
 
-- a pre-quantized layer (ModelOpt, gpt-oss MXFP4) gets the checkpoint's own tensors as its
+- a pre-quantized layer (ModelOpt, gpt-oss MXFP4, transformers' fine-grained FP8) gets the checkpoint's own tensors as its
   quantized value (`WEIGHTS.attach_quantized`), declared with the checkpoint's spec; per-expert
   tensors are stacked into transformers' fused `[E, 2I, H]` / `[E, H, I]` expert parameters;
 - with formats in the options (`linear="int8_weight_only"`), each full-precision linear/experts
@@ -74,8 +74,10 @@ def detect(path: str) -> Layout | None:
         return parse_quantization(quant, "modelopt", where)
     if method == "mxfp4":
         return parse_quantization(quant, "gpt-oss", where)
+    if method == "fp8":
+        return parse_quantization(quant, "transformers", where)
     if method is not None:
-        raise ValueError(f"{where}: quant_method {method!r} is not supported; quantpass reads: modelopt, mxfp4")
+        raise ValueError(f"{where}: quant_method {method!r} is not supported; quantpass reads: modelopt, mxfp4, fp8")
     return None
 
 
@@ -306,8 +308,9 @@ class _Loader:
         )  # fmt: skip
         for param_name, (rows, cols) in shapes.items():
             param = getattr(module, param_name)
-            if names is None:  # fused tensors: bf16, or gpt-oss `{p}_blocks`/`{p}_scales`
-                algo = self.algo(fqn, fused[param_name] + "_blocks") if self.layout else None
+            if names is None:  # fused tensors: bf16, or quantized (gpt-oss `{p}_blocks`/`{p}_scales`)
+                declared = self.layout.algo_of(fqn) if self.layout else None
+                algo = declared and self.algo(fqn, declared.tensor_name("data", fused[param_name]))
                 value = (
                     self.checkpoint_qtensor(algo, fused[param_name], (experts, rows, cols), param.dtype)
                     if algo is not None
@@ -425,7 +428,7 @@ def from_pretrained(
     path: str | os.PathLike, *, dtype=None, device="cpu", requantize: bool = False, **options
 ) -> nn.Module:
     """The transformers model of a checkpoint directory, quantized layers holding the checkpoint's
-    tensors (a ModelOpt or gpt-oss MXFP4 checkpoint), or quantized as they load when the options name
+    tensors (a ModelOpt, gpt-oss MXFP4 or transformers fine-grained FP8 checkpoint), or quantized as they load when the options name
     formats (`linear="int8_weight_only"`, `moe=...`, `targets`, `ignore`). For a pre-quantized
     checkpoint the options may change activations (`moe={"activation": "mxfp8"}`); another weight
     format raises unless `requantize=True`. Tensors go to `device` as they are read (`model.to()`

@@ -2,7 +2,8 @@
 
 Each quantized weight (`qp.state_dict(model, quantized=True)`) is written in the ModelOpt algo its
 key implies (algos.py; a loaded checkpoint's own algo per layer), fused experts one tensor per
-expert and projection as ModelOpt writes them; MXFP4 experts as gpt-oss's release stores them.
+expert and projection as ModelOpt writes them; MXFP4 experts as gpt-oss's release stores them; a
+model loaded from transformers' fine-grained FP8 in that format again.
 A model loaded with `qp.from_pretrained` is written back with byte-identical tensors.
 """
 
@@ -19,7 +20,7 @@ from ..quant_registry.qtensor import QTensor
 from ..weight_cache import WEIGHTS
 from ..weights import _root, state_dict
 from . import shards
-from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, Algo, algo_for
+from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, NON_MODELOPT, Algo, algo_for, hf_quantization_config
 from .convert import from_qtensor, split_rows
 from .load import EXPERT_NAMES, _fused_experts, renamed, renamings
 
@@ -117,11 +118,13 @@ def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info, tr
     exclude = [renamed(pattern, transforms) for pattern in _excluded(root, quantized, info)]
     layers = {renamed(fqn, transforms): algo for fqn, algo in layers.items()}
     algos = set(layers.values())
-    if algos == {GPT_OSS_MXFP4}:
-        config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": exclude}
+    own = [algo for algo in NON_MODELOPT if algo in algos]  # formats a config.json declares on its own
+    if own and len(algos) > 1:
+        names = ", ".join(sorted(algo.name for algo in algos))
+        raise ValueError(f"cannot write {names} in one checkpoint: {own[0].name} has no mixed-precision layout")
+    if own:
+        config["quantization_config"] = hf_quantization_config(own[0], exclude)
     elif algos:
-        if GPT_OSS_MXFP4 in algos:
-            raise ValueError("cannot write gpt-oss MXFP4 experts and ModelOpt layers in one checkpoint")
         quantization = {"kv_cache_quant_algo": None}
         if len(algos) == 1:
             (algo,) = algos
