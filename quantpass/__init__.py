@@ -38,7 +38,7 @@ __all__ = [
     "load_weights",
     "refresh_weights",
     "state_dict",
-    # pre-quantized checkpoints (ModelOpt, gpt-oss MXFP4, fine-grained FP8) and export
+    # pre-quantized checkpoints (ModelOpt, gpt-oss MXFP4, fine-grained FP8, compressed-tensors) and export
     "from_pretrained",
     "save_pretrained",
 ]

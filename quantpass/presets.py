@@ -179,7 +179,7 @@ def load_model(
 ) -> LoadedModel:
     """A preset by name (trained on `LANGUAGE`, or loaded from the cache of an earlier training;
     `trained=False`: seeded random weights, enough for a plan) or a local checkpoint directory ->
-    LoadedModel. A pre-quantized checkpoint (ModelOpt, gpt-oss MXFP4, fine-grained FP8), or a full-precision one with
+    LoadedModel. A pre-quantized checkpoint (any `qp.from_pretrained` reads), or a full-precision one with
     `quantize_on_load` (`qp.from_pretrained`'s format options), loads quantized: the LoadedModel's
     `model` is then its dequantized twin. `progress(message)` hears about a training."""
     device = device or default_device()

@@ -336,7 +336,10 @@ def test_describe_and_detect(checkpoints, tmp_path):
     assert "model.layers.0.self_attn.o_proj" not in " ".join(lines)  # unquantized: not listed
     assert qp.checkpoints.detect(str(tmp_path)) is None
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "gptq"}}))
-    with pytest.raises(ValueError, match="quant_method 'gptq' is not supported; quantpass reads: modelopt, mxfp4, fp8"):
+    with pytest.raises(
+        ValueError,
+        match="quant_method 'gptq' is not supported; quantpass reads: modelopt, mxfp4, fp8, compressed-tensors",
+    ):
         qp.checkpoints.detect(str(tmp_path))
 
 

@@ -1,4 +1,5 @@
-"""Pre-quantized checkpoints (NVIDIA ModelOpt, gpt-oss MXFP4, transformers fine-grained FP8): load without full precision, export.
+"""Pre-quantized checkpoints: load without full precision, export (NVIDIA ModelOpt, gpt-oss MXFP4,
+transformers fine-grained FP8, compressed-tensors).
 
 `from_pretrained(path, **options)` and `save_pretrained(model, path)` are public as
 `qp.from_pretrained` / `qp.save_pretrained`; `detect` and `describe` tell what a directory holds

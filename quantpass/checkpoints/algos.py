@@ -4,7 +4,8 @@ Everything a format implies is derived from its `(weight, activation)` QuantKey 
 scale shapes, padding, packing, what the layer runs with); a row adds only the checkpoint's
 tensor names and, where a format truly differs, a named hook (`HOOKS`). ModelOpt's `quant_algo`s
 (NVIDIA Model Optimizer's `hf_quant_config.json`), gpt-oss's MXFP4 release and transformers'
-fine-grained FP8 (`quant_method: fp8`: DeepSeek-V3/R1, Qwen3 FP8 releases) are rows alike.
+fine-grained FP8 (`quant_method: fp8`: DeepSeek-V3/R1, Qwen3 FP8 releases) are rows alike; a
+compressed-tensors config's groups become rows as it is read (compressed_tensors.py).
 To support a new format: add a row; add a hook only for what the key pair can't say.
 """
 
@@ -53,6 +54,7 @@ class Algo:
     names: dict = field(compare=False)  # role -> tensor name template
     hooks: tuple[str, ...] = ()
     group_size: int | None = None  # written to hf_quant_config.json
+    producer: str = "modelopt"  # whose checkpoint layout: one checkpoint holds one producer's rows
 
     @property
     def spec(self) -> QuantSpec:
@@ -81,12 +83,13 @@ ALGOS: dict[str, Algo] = {
 }
 # gpt-oss's release (config.json `quantization_config: {"quant_method": "mxfp4"}`): fused experts only.
 GPT_OSS_MXFP4 = Algo("MXFP4", kMxfp4Static, None, ("data", "scale"), GPT_OSS_NAMES, hooks=("gpt_oss_blocks",),
-                     group_size=32)
+                     group_size=32, producer="gpt-oss")
 # transformers' fine-grained FP8 (`quant_method: fp8`, `weight_block_size: [128, 128]`, dynamic activations in
 # 1x128 groups: DeepSeek's recipe, quantpass's fp8_per_block); `scale_fmt: ue8m0` stores power-of-two scales.
-HF_FP8 = {"float": Algo("FP8_BLOCK", kFp8Static128BlockSym, kFp8Dynamic128Sym, ("data", "scale"), HF_FP8_NAMES),
+HF_FP8 = {"float": Algo("FP8_BLOCK", kFp8Static128BlockSym, kFp8Dynamic128Sym, ("data", "scale"), HF_FP8_NAMES,
+                        producer="transformers"),
           "ue8m0": Algo("FP8_BLOCK_UE8M0", kFp8Static128BlockSym, kFp8Dynamic128Sym, ("data", "scale"), HF_FP8_NAMES,
-                        hooks=("e8m0_scale",))}
+                        hooks=("e8m0_scale",), producer="transformers")}
 # fmt: on
 MIXED_PRECISION = "MIXED_PRECISION"  # per-layer algos in `quantized_layers`
 QUANT_ALGOS = (*ALGOS, MIXED_PRECISION)
@@ -164,18 +167,22 @@ class Layout:
     """What a checkpoint says about its layers: per layer FQN (a linear module, or an experts
     module), the Algo it is stored in, or None for layers stored unquantized."""
 
-    producer: str  # "modelopt", "gpt-oss", "transformers" (its fine-grained FP8) or "none"
+    producer: str  # "modelopt", "gpt-oss", "transformers" (its fine-grained FP8), "compressed-tensors" or "none"
     quant_algo: str | None
     default: Algo | None  # every linear not excluded (None: per-layer or none)
     per_layer: dict  # MIXED_PRECISION: module FQN -> Algo
     exclude: tuple[str, ...]
+    groups: tuple = ()  # compressed-tensors: (targets, Algo) per config group, the first match wins
+    config: dict = field(default_factory=dict, compare=False)  # the quantization config as read (export)
 
     def algo_of(self, fqn: str) -> Algo | None:
-        excluded = _skipped if self.producer == "transformers" else _excluded
+        excluded = {"transformers": _skipped, "compressed-tensors": _ct_matches}.get(self.producer, _excluded)
         if any(excluded(pattern, fqn) for pattern in self.exclude):
             return None
         if self.per_layer:
             return self.per_layer.get(fqn)
+        if self.groups:
+            return next((algo for targets, algo in self.groups if any(_ct_matches(t, fqn) for t in targets)), None)
         return self.default
 
     def formats(self) -> dict[str, int]:
@@ -192,6 +199,15 @@ def _excluded(pattern: str, fqn: str) -> bool:
     return pattern_matches(pattern, fqn) or pattern_matches(pattern.rstrip("*").rstrip(".") + ".*", fqn)
 
 
+def _ct_matches(target: str, fqn: str) -> bool:
+    """compressed-tensors' `targets` / `ignore` entries: `re:<regex>` matched from the start of the
+    module name, a class name (`Linear`: every linear and expert projection quantpass loads), or a
+    module name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], fqn) is not None
+    return target == "Linear" or target == fqn
+
+
 def _skipped(pattern: str, fqn: str) -> bool:
     """transformers' `modules_to_not_convert`: a regex from the start up to a module boundary
     (`model.layers.1` skips `model.layers.1.mlp`, not `model.layers.11`), or a suffix (`lm_head`)."""
@@ -206,7 +222,7 @@ def parse_quantization(quant: dict, producer: str, where: str) -> Layout:
     if producer == "transformers":
         row = _hf_fp8(quant, where)
         exclude = tuple(quant.get("modules_to_not_convert") or quant.get("ignored_layers") or ())
-        return Layout(producer, row.name, row, {}, exclude)
+        return Layout(producer, row.name, row, {}, exclude, config=quant)
     name = quant.get("quant_algo")
     exclude = tuple(quant.get("exclude_modules") or quant.get("ignore") or ())
     if name is None:
@@ -244,13 +260,13 @@ def _hf_fp8(quant: dict, where: str) -> Algo:
     return HF_FP8[quant.get("scale_fmt") or "float"]
 
 
-def hf_quantization_config(algo: Algo, exclude: list[str]) -> dict:
-    """config.json's `quantization_config` for a checkpoint of one non-ModelOpt row (export)."""
+def hf_quantization_config(algo: Algo, exclude: list[str], layout: Layout | None) -> dict:
+    """config.json's `quantization_config` for a checkpoint of a non-ModelOpt producer's rows (export): a
+    compressed-tensors checkpoint's as it was read."""
+    if algo.producer == "compressed-tensors":
+        return dict(layout.config)
     if algo is GPT_OSS_MXFP4:
         return {"quant_method": "mxfp4", "modules_to_not_convert": exclude}
     scale_fmt = next(fmt for fmt, row in HF_FP8.items() if row is algo)
     settings = {setting: valid[0] for setting, valid in HF_FP8_SETTINGS.items()}
     return {"quant_method": "fp8", **settings, "scale_fmt": scale_fmt, "modules_to_not_convert": exclude or None}
-
-
-NON_MODELOPT = (GPT_OSS_MXFP4, *HF_FP8.values())  # rows a checkpoint's config.json declares on its own

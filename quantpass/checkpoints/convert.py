@@ -64,7 +64,9 @@ def to_qtensor(algo: Algo, tensors: dict, shape: torch.Size, dtype: torch.dtype,
     scale = tensors["scale"]
     if scale.numel() != torch.Size(want["scale"]).numel():
         raise ValueError(f"{name}: {algo.name} scale has shape {tuple(scale.shape)}, expected {want['scale']}")
-    scale2 = tensors.get("scale2")
+    if _storage_dtypes(key)[1] == torch.float32:  # bf16 scales (compressed-tensors'): the same values in fp32
+        scale = scale.float()
+    scale2, input_scale = tensors.get("scale2"), tensors.get("input_scale")
     return QTensor(
         data=data.contiguous(),
         scale=scale.reshape(want["scale"]).contiguous(),
@@ -72,7 +74,7 @@ def to_qtensor(algo: Algo, tensors: dict, shape: torch.Size, dtype: torch.dtype,
         key=key,
         shape=shape,
         dtype=dtype,
-        input_scale=tensors.get("input_scale"),
+        input_scale=None if input_scale is None else input_scale.float(),
     )
 
 
@@ -99,9 +101,9 @@ def _check_dtypes(key: QuantKey, tensors: dict, name: str, algo: str) -> None:
             raise ValueError(f"{name}: {algo} {role} is stored as {dtype}; {key} reads it as {want}")
 
 
-def from_qtensor(algo: Algo, qt: QTensor, shapes: dict | None = None) -> dict:
-    """The checkpoint tensors (role -> tensor) for one weight. `shapes`: role -> the shape a loaded
-    checkpoint stored it in, where it differs from the default (byte-identical round trips)."""
+def from_qtensor(algo: Algo, qt: QTensor, shapes: dict | None = None, dtypes: dict | None = None) -> dict:
+    """The checkpoint tensors (role -> tensor) for one weight. `shapes` / `dtypes`: role -> the shape and
+    float dtype a loaded checkpoint stored it in, where they differ from ours (byte-identical round trips)."""
     key, shape = qt.key, qt.shape
     out = {
         "data": qt.data[..., : _stored_cols(key, shape[-1])].contiguous(),
@@ -118,6 +120,9 @@ def from_qtensor(algo: Algo, qt: QTensor, shapes: dict | None = None) -> dict:
     for role, stored in (shapes or {}).items():
         if role in out and out[role].numel() == torch.Size(stored).numel():
             out[role] = out[role].reshape(stored)
+    for role, stored in (dtypes or {}).items():
+        if role in out and out[role].dtype.is_floating_point and stored.is_floating_point and stored.itemsize >= 2:
+            out[role] = out[role].to(stored)
     return out
 
 

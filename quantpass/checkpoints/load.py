@@ -3,9 +3,10 @@
 The model is built with its parameters on the meta device (buffers such as rotary tables are
 computed as usual), then filled from the safetensors shards one tensor at a time:
 
-- a pre-quantized layer (ModelOpt, gpt-oss MXFP4, transformers' fine-grained FP8) gets the checkpoint's own tensors as its
-  quantized value (`WEIGHTS.attach_quantized`), declared with the checkpoint's spec; per-expert
-  tensors are stacked into transformers' fused `[E, 2I, H]` / `[E, H, I]` expert parameters;
+- a pre-quantized layer (ModelOpt, gpt-oss MXFP4, transformers' fine-grained FP8, compressed-tensors)
+  gets the checkpoint's own tensors as its quantized value (`WEIGHTS.attach_quantized`), declared with
+  the checkpoint's spec; per-expert tensors are stacked into transformers' fused `[E, 2I, H]` /
+  `[E, H, I]` expert parameters;
 - with formats in the options (`linear="int8_weight_only"`), each full-precision linear/experts
   weight is quantized as it is read (quantize-on-load): one layer's full-precision values at a time;
 - everything else is loaded as it is stored.
@@ -29,7 +30,7 @@ from ..quant_registry.names import Kind
 from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantizationConfig
 from ..weight_cache import WEIGHTS, return_freed_memory
-from . import shards
+from . import compressed_tensors, shards
 from .algos import Algo, Layout, parse_quantization
 from .convert import join_rows, roles, stack_experts, to_qtensor
 
@@ -50,6 +51,7 @@ class CheckpointInfo:
     layout: Layout
     algos: dict = field(default_factory=dict)  # layer FQN -> Algo it was stored in
     stored_shapes: dict = field(default_factory=dict)  # tensor name -> shape as stored (byte-identical export)
+    stored_dtypes: dict = field(default_factory=dict)  # tensor name -> dtype as stored
     renamed: bool = False  # its names were transformers' legacy ones (`renamings`): export writes them so again
 
 
@@ -76,8 +78,12 @@ def detect(path: str) -> Layout | None:
         return parse_quantization(quant, "gpt-oss", where)
     if method == "fp8":
         return parse_quantization(quant, "transformers", where)
+    if method == compressed_tensors.PRODUCER:
+        return compressed_tensors.layout(quant, where)
     if method is not None:
-        raise ValueError(f"{where}: quant_method {method!r} is not supported; quantpass reads: modelopt, mxfp4, fp8")
+        raise ValueError(
+            f"{where}: quant_method {method!r} is not supported; quantpass reads: modelopt, mxfp4, fp8, compressed-tensors"
+        )
     return None
 
 
@@ -88,7 +94,7 @@ def describe(path: str) -> list[str]:
         return [f"{path}: unquantized checkpoint (quantize it on load with --quantization)"]
     lines = [f"{path}: {layout.producer} checkpoint, quant_algo {layout.quant_algo}"]
     rows = [layout.default] if layout.default is not None else []
-    rows += [r for r in dict.fromkeys(layout.per_layer.values()) if r not in rows]
+    rows += [r for r in dict.fromkeys([*layout.per_layer.values(), *(a for _, a in layout.groups)]) if r not in rows]
     for row in rows:
         activation = row.activation if "input_scale" not in row.tensors else f"{row.activation} (input_scale)"
         lines.append(f"  {row.name}: weight {row.weight}, activation {activation}")
@@ -181,6 +187,7 @@ class _Loader:
     def read(self, name: str) -> torch.Tensor:
         self.used.add(name)
         self.info.stored_shapes[name] = self.entries[name].shape
+        self.info.stored_dtypes[name] = self.entries[name].dtype
         return shards.read(self.entries[name]).to(self.device)
 
     def algo(self, module_fqn: str, data_name: str) -> Algo | None:
@@ -428,10 +435,10 @@ def from_pretrained(
     path: str | os.PathLike, *, dtype=None, device="cpu", requantize: bool = False, **options
 ) -> nn.Module:
     """The transformers model of a checkpoint directory, quantized layers holding the checkpoint's
-    tensors (a ModelOpt, gpt-oss MXFP4 or transformers fine-grained FP8 checkpoint), or quantized as they load when the options name
-    formats (`linear="int8_weight_only"`, `moe=...`, `targets`, `ignore`). For a pre-quantized
-    checkpoint the options may change activations (`moe={"activation": "mxfp8"}`); another weight
-    format raises unless `requantize=True`. Tensors go to `device` as they are read (`model.to()`
+    tensors (a ModelOpt, gpt-oss MXFP4, transformers fine-grained FP8 or compressed-tensors checkpoint),
+    or quantized as they load when the options name formats (`linear="int8_weight_only"`, `moe=...`,
+    `targets`, `ignore`). For a pre-quantized checkpoint the options may change activations
+    (`moe={"activation": "mxfp8"}`); another weight format raises unless `requantize=True`. Tensors go to `device` as they are read (`model.to()`
     afterwards would read the quantized layers' freed storage). `dtype`: the model's (full-precision
     tensors stored in another are cast as they load); by default the config's, else the one most of the
     stored full-precision bytes have, as transformers' `dtype="auto"`."""

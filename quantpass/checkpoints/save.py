@@ -20,7 +20,7 @@ from ..quant_registry.qtensor import QTensor
 from ..weight_cache import WEIGHTS
 from ..weights import _root, state_dict
 from . import shards
-from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, NON_MODELOPT, Algo, algo_for, hf_quantization_config
+from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, Algo, algo_for, hf_quantization_config
 from .convert import from_qtensor, split_rows
 from .load import EXPERT_NAMES, _fused_experts, renamed, renamings
 
@@ -34,7 +34,7 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
     path = os.fspath(path)
     root = _root(model)
     info = getattr(root, "quantpass_checkpoint", None)
-    stored = info.stored_shapes if info is not None else {}
+    stored = (info.stored_shapes, info.stored_dtypes) if info is not None else ({}, {})
     experts = {fqn for fqn, m in root.named_modules() if _fused_experts(m)}
     tensors: dict[str, torch.Tensor] = {}
     layers: dict[str, Algo] = {}  # quantized module FQN (ModelOpt naming) -> its algo
@@ -94,10 +94,10 @@ def _expert_names(info, fqn: str) -> tuple[str, str, str]:
     return EXPERT_NAMES[0]
 
 
-def _put(tensors: dict, algo: Algo, param_name: str, qt: QTensor, stored: dict) -> None:
+def _put(tensors: dict, algo: Algo, param_name: str, qt: QTensor, stored: tuple[dict, dict]) -> None:
     names = {role: algo.tensor_name(role, param_name) for role in algo.tensors}
-    shapes = {role: stored[n] for role, n in names.items() if n in stored}
-    for role, tensor in from_qtensor(algo, qt, shapes).items():
+    shapes, dtypes = ({role: found[n] for role, n in names.items() if n in found} for found in stored)
+    for role, tensor in from_qtensor(algo, qt, shapes, dtypes).items():
         tensors[names[role]] = tensor
 
 
@@ -118,12 +118,15 @@ def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info, tr
     exclude = [renamed(pattern, transforms) for pattern in _excluded(root, quantized, info)]
     layers = {renamed(fqn, transforms): algo for fqn, algo in layers.items()}
     algos = set(layers.values())
-    own = [algo for algo in NON_MODELOPT if algo in algos]  # formats a config.json declares on its own
-    if own and len(algos) > 1:
+    producers = {algo.producer for algo in algos}
+    own = [algo for algo in algos if algo.producer != "modelopt"]  # formats a config.json declares on its own
+    if own and (len(producers) > 1 or (len(algos) > 1 and own[0].producer != "compressed-tensors")):
         names = ", ".join(sorted(algo.name for algo in algos))
-        raise ValueError(f"cannot write {names} in one checkpoint: {own[0].name} has no mixed-precision layout")
+        raise ValueError(f"cannot write {names} in one checkpoint: {own[0].name} has no mixed-precision layout here")
+    if own and own[0].producer == "compressed-tensors" and (info is None or set(info.algos) != quantized):
+        raise ValueError("a compressed-tensors checkpoint is written back only with the layers it loaded quantized")
     if own:
-        config["quantization_config"] = hf_quantization_config(own[0], exclude)
+        config["quantization_config"] = hf_quantization_config(own[0], exclude, info.layout if info else None)
     elif algos:
         quantization = {"kv_cache_quant_algo": None}
         if len(algos) == 1:
