@@ -36,7 +36,7 @@ from compressed_tensors.quantization.utils.helpers import calculate_qparams  # n
 
 VOCAB = 256
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
-FLOOR = {"FP8_DYNAMIC": 0.99, "FP8": 0.99, "FP8_BLOCK": 0.99, "W8A8": 0.99, "MIXED": 0.99}
+FLOOR = {"FP8_DYNAMIC": 0.99, "FP8": 0.99, "FP8_BLOCK": 0.99, "W8A8": 0.99, "W4A16": 0.999, "MIXED": 0.99}
 
 
 def tiny() -> transformers.PreTrainedModel:
@@ -95,10 +95,12 @@ CASES = {  # name -> ({preset scheme: targets}, ignore)
     "FP8": ({"FP8": ["Linear"]}, ("lm_head",)),  # static per-tensor activations: `input_scale`
     "FP8_BLOCK": ({"FP8_BLOCK": ["Linear"]}, ("lm_head",)),
     "W8A8": ({"W8A8": ["Linear"]}, ("lm_head",)),
+    "W4A16": ({"W4A16": ["Linear"]}, ("lm_head",)),  # pack-quantized: eight nibbles per int32 word
     # two groups by regex, a layer ignored by regex
     "MIXED": ({"FP8_DYNAMIC": ["re:.*self_attn.*"], "W8A8": ["re:.*mlp.*"]}, ("lm_head", "re:.*down_proj$")),
 }
-EXPECTED_FORMAT = {"FP8_DYNAMIC": "fp8_per_channel", "FP8_BLOCK": "fp8_per_block", "W8A8": "int8_per_channel"}
+EXPECTED_FORMAT = {"FP8_DYNAMIC": "fp8_per_channel", "FP8_BLOCK": "fp8_per_block", "W8A8": "int8_per_channel",
+                   "W4A16": "int4_weight_only"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -115,6 +117,8 @@ def test_compressed_tensors_checkpoint(case, tmp_path):
     # every linear the checkpoint stores quantized runs its format; nothing else is quantized
     entries = shards.index(path)
     stored = {name.removesuffix(".weight_scale") for name in entries if name.endswith(".weight_scale")}
+    if case == "W4A16":  # no 16-bit copy of a packed weight: its `weight_packed` words are the layer's data
+        assert not any(name.endswith(".weight") and name.rsplit(".", 1)[0] in stored for name in entries)
     quantized = {row.fqn: row for row in plan.rows if row.quantized}
     assert set(quantized) == stored, plan
     if case == "MIXED":
@@ -154,8 +158,8 @@ def test_compressed_tensors_checkpoint(case, tmp_path):
 @pytest.mark.parametrize(
     "scheme, message",
     [
-        ("W4A16", "format 'pack-quantized' is not supported; quantpass reads: float-quantized, int-quantized"),
-        ("W4A16_ASYM", "format 'pack-quantized' is not supported"),
+        ("W4A16_ASYM", r"weights: asymmetric \(zero points\) is not supported; quantpass reads symmetric: 8-bit float"),
+        ("W8A16", r"weights: 8-bit int group 128 static is not supported"),
     ],
 )
 def test_formats_without_a_layout_here_are_refused_naming_them(scheme, message, tmp_path):
@@ -164,13 +168,25 @@ def test_formats_without_a_layout_here_are_refused_naming_them(scheme, message, 
         qp.from_pretrained(path)
 
 
-def test_arguments_without_a_key_are_refused_naming_them(tmp_path):
-    group = {"targets": ["Linear"], "format": "int-quantized",
-             "weights": {"num_bits": 8, "type": "int", "strategy": "channel", "symmetric": False}}  # fmt: skip
+@pytest.mark.parametrize(
+    "fmt, weights, message",
+    [
+        ("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
+         "format 'nvfp4-pack-quantized' is not supported; quantpass reads: float-quantized, int-quantized, "
+         "naive-quantized, pack-quantized"),
+        ("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "actorder": "group"},
+         r"weights: actorder 'group' \(GPTQ's permuted groups, `weight_g_idx`\) is not supported"),
+        ("pack-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"},
+         "kInt8StaticChannelSym weights in format 'pack-quantized': quantpass reads them packed only as 4-bit ints"),
+    ],
+)  # fmt: skip
+def test_arguments_without_a_key_are_refused_naming_them(fmt, weights, message, tmp_path):
+    group = {"targets": ["Linear"], "format": fmt, "weights": weights}
     config = {"quantization_config": {"quant_method": "compressed-tensors", "config_groups": {"group_0": group}}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"config_groups\['group_0'\] weights: 8-bit asymmetric type int, strategy "
-                                         r"channel, static is not supported; quantpass reads 8-bit symmetric"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"config_groups\['group_0'\]: |config_groups\['group_0'\] weights: "):
+        qp.checkpoints.detect(str(tmp_path))
+    with pytest.raises(ValueError, match=message):
         qp.checkpoints.detect(str(tmp_path))
 
 

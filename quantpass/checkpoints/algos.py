@@ -128,15 +128,24 @@ def _e8m0_scale(role: str, tensor: torch.Tensor, want) -> torch.Tensor:
     return tensor.float() if role == "scale" and tensor.dtype == torch.float8_e8m0fnu else tensor
 
 
+def _int32_words(role: str, tensor: torch.Tensor, want) -> torch.Tensor | None:
+    """compressed-tensors' pack-quantized INT4: words of eight nibbles, read as their little-endian bytes
+    (quantpass's two-per-byte layout); its `weight_shape` says what the data's shape already says."""
+    if role == "data" and tensor.dtype == torch.int32:
+        return tensor.contiguous().view(torch.uint8)[..., : want[-1]]
+    return None if role == "shape" else tensor
+
+
 # hook name -> fn(role, checkpoint tensor, canonical shape) -> tensor to use (None: drop it)
 HOOKS = {
     "block_scale_shape": _block_scale_shape,
     "drop_input_scale": _drop_input_scale,
     "gpt_oss_blocks": _gpt_oss_blocks,
     "e8m0_scale": _e8m0_scale,
+    "int32_words": _int32_words,
 }
-# hook name -> roles the hook reads even though the algo doesn't store them
-EXTRA_ROLES = {"drop_input_scale": ("input_scale",)}
+# hook name -> roles the hook reads (and, for `int32_words`, writes) beside the algo's own
+EXTRA_ROLES = {"drop_input_scale": ("input_scale",), "int32_words": ("shape",)}
 
 
 def algo(name: str, where: str = "checkpoint") -> Algo:

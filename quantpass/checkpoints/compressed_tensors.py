@@ -1,12 +1,13 @@
 """compressed-tensors checkpoints (`quant_method: compressed-tensors`, llm-compressor's output: the
-RedHatAI / neuralmagic FP8-dynamic, W8A8 and FP8-block releases).
+RedHatAI / neuralmagic FP8-dynamic, W8A8, FP8-block and W4A16 releases).
 
 Such a config has no algo name: each `config_groups` entry gives its weights' and input
 activations' quantization arguments (type, bits, strategy, dynamic, ...) and the modules it
 `targets`. The arguments are read into quantpass's `(weight, activation)` QuantKey pair, and the
 group becomes an `Algo` row like any other; its tensors are named as ModelOpt names them
-(`weight`, `weight_scale`, `input_scale`). Read: the `float-quantized` and `int-quantized` formats
-(unpacked 8-bit weights, symmetric) for the pairs quantpass has a format for; anything else raises
+(`weight`, `weight_scale`, `input_scale`; `weight_packed` for packed 4-bit ints). Read: the
+`float-quantized` and `int-quantized` formats (8-bit weights) and `pack-quantized` 4-bit ints in
+groups of 128 (W4A16), symmetric, for the pairs quantpass has a format for; anything else raises
 naming the group, the setting and what is read.
 """
 
@@ -19,6 +20,7 @@ from ..quant_registry.keys import (
     kFp8Static128BlockSym,
     kFp8StaticChannelSym,
     kFp8StaticTensorSym,
+    kInt4StaticGroup128Sym,
     kInt8DynamicTokenSym,
     kInt8StaticChannelSym,
 )
@@ -26,36 +28,46 @@ from ..quant_registry.spec import QuantSpec
 from .algos import MIXED_PRECISION, MODELOPT_NAMES, Algo, Layout
 
 PRODUCER = "compressed-tensors"
-FORMATS = ("float-quantized", "int-quantized", "naive-quantized")
-# (type, strategy, block or group size, dynamic) of 8-bit symmetric arguments -> key
+# `pack-quantized`: 4-bit ints packed eight per int32 word (`weight_packed`, offset by 8, first in the
+# lowest bits: as bytes, quantpass's INT4 layout) beside the unpacked shape (`weight_shape`)
+PACKED_NAMES = {**MODELOPT_NAMES, "data": "{m}.weight_packed", "shape": "{m}.weight_shape"}
+FORMATS = {"float-quantized": MODELOPT_NAMES, "int-quantized": MODELOPT_NAMES, "naive-quantized": MODELOPT_NAMES,
+           "pack-quantized": PACKED_NAMES}  # fmt: skip
+# (type, bits, strategy, block or group size, dynamic) of symmetric arguments -> key
 WEIGHT_KEYS = {
-    ("float", "tensor", None, False): kFp8StaticTensorSym,
-    ("float", "channel", None, False): kFp8StaticChannelSym,
-    ("float", "block", (128, 128), False): kFp8Static128BlockSym,
-    ("int", "channel", None, False): kInt8StaticChannelSym,
+    ("float", 8, "tensor", None, False): kFp8StaticTensorSym,
+    ("float", 8, "channel", None, False): kFp8StaticChannelSym,
+    ("float", 8, "block", (128, 128), False): kFp8Static128BlockSym,
+    ("int", 8, "channel", None, False): kInt8StaticChannelSym,
+    ("int", 4, "group", 128, False): kInt4StaticGroup128Sym,  # pack-quantized
 }
 ACTIVATION_KEYS = {
-    ("float", "tensor", None, False): kFp8StaticTensorSym,  # calibrated: the checkpoint's `input_scale`
-    ("float", "token", None, True): kFp8DynamicTokenSym,
-    ("float", "group", 128, True): kFp8Dynamic128Sym,
-    ("int", "token", None, True): kInt8DynamicTokenSym,
+    ("float", 8, "tensor", None, False): kFp8StaticTensorSym,  # calibrated: the checkpoint's `input_scale`
+    ("float", 8, "token", None, True): kFp8DynamicTokenSym,
+    ("float", 8, "group", 128, True): kFp8Dynamic128Sym,
+    ("int", 8, "token", None, True): kInt8DynamicTokenSym,
 }
+
+
+def _describe(arguments: tuple) -> str:
+    kind, bits, strategy, size, dynamic = arguments
+    return f"{bits}-bit {kind} {strategy}{f' {size}' if size else ''} {'dynamic' if dynamic else 'static'}"
 
 
 def _key(args: dict, table: dict, where: str) -> QuantKey:
     size = args.get("block_structure") or args.get("group_size")
-    found = (args.get("type"), args.get("strategy"), tuple(size) if isinstance(size, list) else size,
-             bool(args.get("dynamic")))  # fmt: skip
-    if args.get("num_bits") != 8 or args.get("symmetric") is False or found not in table:
-        read = "; ".join(
-            f"type {t}, strategy {s}{f', size {n}' if n else ''}, {'dynamic' if d else 'static'}"
-            for t, s, n, d in table
-        )
-        raise ValueError(
-            f"{where}: {args.get('num_bits')}-bit {'symmetric' if args.get('symmetric', True) else 'asymmetric'} "
-            f"type {found[0]}, strategy {found[1]}{f', size {found[2]}' if found[2] else ''}, "
-            f"{'dynamic' if found[3] else 'static'} is not supported; quantpass reads 8-bit symmetric: {read}"
-        )
+    size = tuple(size) if isinstance(size, list) else size
+    found = (args.get("type"), args.get("num_bits"), args.get("strategy"), size, bool(args.get("dynamic")))
+    problem = None
+    if args.get("symmetric") is False:
+        problem = "asymmetric (zero points)"
+    elif args.get("actorder") == "group":
+        problem = "actorder 'group' (GPTQ's permuted groups, `weight_g_idx`)"
+    elif found not in table:
+        problem = _describe(found)
+    if problem is not None:
+        read = "; ".join(map(_describe, table))
+        raise ValueError(f"{where}: {problem} is not supported; quantpass reads symmetric: {read}")
     return table[found]
 
 
@@ -68,11 +80,14 @@ def group_algo(name: str, group: dict, default_format: str | None, where: str) -
     if group.get("output_activations"):
         raise ValueError(f"{where}: output_activations are not supported; quantpass quantizes weights and inputs")
     weight = _key(group.get("weights") or {}, WEIGHT_KEYS, f"{where} weights")
+    if (fmt == "pack-quantized") != (weight == kInt4StaticGroup128Sym):
+        raise ValueError(f"{where}: {weight} weights in format {fmt!r}: quantpass reads them packed only as 4-bit ints")
     inputs = group.get("input_activations")
     activation = None if not inputs else _key(inputs, ACTIVATION_KEYS, f"{where} input_activations")
     tensors = ("data", "scale", "input_scale") if activation == kFp8StaticTensorSym else ("data", "scale")
+    hooks = ("int32_words",) if fmt == "pack-quantized" else ()
     spec_name = QuantSpec(weight, activation).name()
-    return Algo(f"{PRODUCER} {fmt} {spec_name}", weight, activation, tensors, MODELOPT_NAMES, producer=PRODUCER)
+    return Algo(f"{PRODUCER} {fmt} {spec_name}", weight, activation, tensors, FORMATS[fmt], hooks, producer=PRODUCER)
 
 
 def layout(quant: dict, where: str) -> Layout:

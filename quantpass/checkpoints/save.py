@@ -21,7 +21,7 @@ from ..weight_cache import WEIGHTS
 from ..weights import _root, state_dict
 from . import shards
 from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, Algo, algo_for, hf_quantization_config
-from .convert import from_qtensor, split_rows
+from .convert import from_qtensor, roles, split_rows
 from .load import EXPERT_NAMES, _fused_experts, renamed, renamings
 
 PRODUCER = {"name": "quantpass", "version": "0.1.0"}
@@ -95,7 +95,7 @@ def _expert_names(info, fqn: str) -> tuple[str, str, str]:
 
 
 def _put(tensors: dict, algo: Algo, param_name: str, qt: QTensor, stored: tuple[dict, dict]) -> None:
-    names = {role: algo.tensor_name(role, param_name) for role in algo.tensors}
+    names = {role: algo.tensor_name(role, param_name) for role in roles(algo)}
     shapes, dtypes = ({role: found[n] for role, n in names.items() if n in found} for found in stored)
     for role, tensor in from_qtensor(algo, qt, shapes, dtypes).items():
         tensors[names[role]] = tensor
