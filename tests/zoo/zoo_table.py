@@ -11,7 +11,16 @@ from zoo_run import CAUSES, COSINE_FLOOR, COVERAGE, FORMATS, KNOWN_FAILURES, Res
 DOC = Path(__file__).resolve().parents[2] / "docs" / "model-support.md"
 ARCH_HEADER = ("architecture", "family", "model", "dtype", "input")
 RESULT_HEADER = ("architecture", "format", "status", "quantized / eligible / total", "MoE sites", "cosine", "notes")
-COSINE_TOLERANCE = 0.005  # between a run and the table: other CPUs round (and route MoE tokens) differently
+# between a run and the table: other CPUs round (and route MoE tokens) differently, by more where the
+# cell's error (1 - cosine) is large: granitemoe x nvfp4 gives 0.8745 on AVX-512 tiles (AMD Zen 4) and
+# 0.8797 on AVX2 ones (Zen 3), 4% of its error apart
+COSINE_TOLERANCE = 0.005
+COSINE_RELATIVE_TOLERANCE = 0.1  # of the error
+
+
+def close_cosines(want: float, got: float) -> bool:
+    return abs(want - got) <= max(COSINE_TOLERANCE, COSINE_RELATIVE_TOLERANCE * (1 - min(want, got)))
+
 
 INTRO = """\
 # Model support
@@ -123,12 +132,12 @@ def ordered(arch_rows: dict, result_rows: dict) -> tuple[list[list[str]], list[l
 
 
 def mismatch(expected: list[str], actual: list[str]) -> str | None:
-    """Why a cell's fresh row differs from the doc's row (cosines within COSINE_TOLERANCE), or None."""
+    """Why a cell's fresh row differs from the doc's row (cosines as `close_cosines` allows), or None."""
     if len(expected) != len(actual):
         return f"doc row {expected} has {len(expected)} columns, not {len(actual)}"
     header = RESULT_HEADER if len(actual) == len(RESULT_HEADER) else ARCH_HEADER
     for name, want, got in zip(header, expected, actual):
-        close = name == "cosine" and "-" not in (want, got) and abs(float(want) - float(got)) <= COSINE_TOLERANCE
+        close = name == "cosine" and "-" not in (want, got) and close_cosines(float(want), float(got))
         if want != got and not close:
             return f"{name}: docs/model-support.md says {want!r}, this run gives {got!r}"
     return None
