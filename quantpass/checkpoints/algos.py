@@ -224,7 +224,8 @@ def _skipped(pattern: str, fqn: str) -> bool:
 
 
 def parse_quantization(quant: dict, producer: str, where: str) -> Layout:
-    """A ModelOpt `quantization` section (hf_quant_config.json) or gpt-oss's quantization_config."""
+    """A ModelOpt `quantization` section (hf_quant_config.json), or gpt-oss's or transformers' fine-grained
+    FP8 quantization_config (config.json)."""
     if producer == "gpt-oss":
         exclude = tuple(quant.get("modules_to_not_convert") or ())
         return Layout(producer, GPT_OSS_MXFP4.name, GPT_OSS_MXFP4, {}, exclude)
