@@ -23,6 +23,7 @@ from ..quant_registry.keys import (
     kInt4StaticGroup128Sym,
     kInt8DynamicTokenSym,
     kInt8StaticChannelSym,
+    needs_input_scale,
 )
 from ..quant_registry.spec import QuantSpec
 from .algos import MIXED_PRECISION, MODELOPT_NAMES, Algo, Layout
@@ -84,7 +85,7 @@ def group_algo(name: str, group: dict, default_format: str | None, where: str) -
         raise ValueError(f"{where}: {weight} weights in format {fmt!r}: quantpass reads them packed only as 4-bit ints")
     inputs = group.get("input_activations")
     activation = None if not inputs else _key(inputs, ACTIVATION_KEYS, f"{where} input_activations")
-    tensors = ("data", "scale", "input_scale") if activation == kFp8StaticTensorSym else ("data", "scale")
+    tensors = ("data", "scale", "input_scale") if needs_input_scale(activation) else ("data", "scale")
     hooks = ("int32_words",) if fmt == "pack-quantized" else ()
     spec_name = QuantSpec(weight, activation).name()
     return Algo(f"{PRODUCER} {fmt} {spec_name}", weight, activation, tensors, FORMATS[fmt], hooks, producer=PRODUCER)

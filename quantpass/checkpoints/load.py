@@ -438,8 +438,8 @@ def from_pretrained(
     tensors (a ModelOpt, gpt-oss MXFP4, transformers fine-grained FP8 or compressed-tensors checkpoint),
     or quantized as they load when the options name formats (`linear="int8_weight_only"`, `moe=...`,
     `targets`, `ignore`). For a pre-quantized checkpoint the options may change activations
-    (`moe={"activation": "mxfp8"}`); another weight format raises unless `requantize=True`. Tensors go to `device` as they are read (`model.to()`
-    afterwards would read the quantized layers' freed storage). `dtype`: the model's (full-precision
+    (`moe={"activation": "mxfp8"}`); another weight format raises unless `requantize=True`. Tensors go
+    to `device` as they are read (`model.to()` afterwards would read the quantized layers' freed storage). `dtype`: the model's (full-precision
     tensors stored in another are cast as they load); by default the config's, else the one most of the
     stored full-precision bytes have, as transformers' `dtype="auto"`."""
     path = os.fspath(path)

@@ -3,7 +3,7 @@
 Each quantized weight (`qp.state_dict(model, quantized=True)`) is written in the ModelOpt algo its
 key implies (algos.py; a loaded checkpoint's own algo per layer), fused experts one tensor per
 expert and projection as ModelOpt writes them; MXFP4 experts as gpt-oss's release stores them; a
-model loaded from transformers' fine-grained FP8 in that format again.
+model loaded from transformers' fine-grained FP8 or compressed-tensors in that format again.
 A model loaded with `qp.from_pretrained` is written back with byte-identical tensors.
 """
 
