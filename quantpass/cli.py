@@ -78,7 +78,11 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="a pre-quantized checkpoint: allow another weight format (quantized again from the dequantized weights)",
     )
-    run.add_argument("--save", metavar="DIR", help="write the quantized model as a ModelOpt checkpoint here")
+    run.add_argument(
+        "--save",
+        metavar="DIR",
+        help="write the quantized model here (qp.save_pretrained: ModelOpt, fine-grained FP8 or compressed-tensors)",
+    )
     run.add_argument("--debug-dir", metavar="DIR", help="dump graphs, plans and depyf output per compile here")
     formats.add_argument("--markdown", action="store_true", help="a Markdown table (as in README.md)")
     return root

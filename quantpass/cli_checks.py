@@ -184,8 +184,8 @@ def checkpoint_configs(args, flags: QuantizationConfig, named: str | None):
 
 
 def check_exportable(configs, load_formats: dict | None) -> None:
-    """--save: one format, each weight format one a ModelOpt checkpoint can store."""
-    from .checkpoints.algos import algo_for
+    """--save: one format, each (weight, activation) pair one a checkpoint format stores (export.py)."""
+    from .checkpoints.export import exact_rows, modelopt_row
     from .quant_registry.keys import needs_input_scale
 
     if len(configs) != 1:
@@ -194,10 +194,11 @@ def check_exportable(configs, load_formats: dict | None) -> None:
     specs = [config.linear, config.moe, *config.targets.values(), *(load_formats or {}).values()]
     for spec in specs:
         if isinstance(spec, QuantSpec) and spec.weight is not None:
+            static = needs_input_scale(spec.activation)
             try:
-                algo_for(spec.weight, needs_input_scale(spec.activation))
+                exact_rows(spec.weight, spec.activation, static) or modelopt_row(spec.weight, static, "--save")
             except ValueError as e:
-                raise UsageError(f"--save: {e}") from None
+                raise UsageError(str(e)) from None
 
 
 def configs_to_run(flags: QuantizationConfig, compare: str | None, named: str | None, device: str):

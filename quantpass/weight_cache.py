@@ -55,6 +55,7 @@ class ParamRecord:
     canonical: dict[CanonicalKey, QTensor] = field(default_factory=dict)
     source: str | None = None  # where the quantized value came from when not from this parameter's data
     spec: object = None  # QuantSpec the value was declared with (a pre-quantized checkpoint's), else None
+    activation: dict = field(default_factory=dict)  # CanonicalKey -> the activation key a graph ran it with
 
 
 def _state(param: torch.Tensor, inference: bool) -> tuple[int, int]:
@@ -98,6 +99,7 @@ class WeightCache:
         record.released = record.storage.nbytes() == 0 and param.numel() > 0
         if not record.released:  # new data: quantized copies of the old data are stale
             record.canonical.clear()
+            record.activation.clear()
             record.source = record.spec = None
 
     def refresh(self, param: torch.Tensor) -> None:
@@ -117,19 +119,19 @@ class WeightCache:
         record = self._records.get(id(param))
         return None if record is None else record.canonical.get(key)
 
-    def set_canonical(self, param: torch.Tensor, key: CanonicalKey, value: QTensor, source: str | None = None):
-        """Keep `value` as the parameter's quantized value (a checkpoint's tensors, or what we built)."""
+    def set_canonical(self, param: torch.Tensor, key: CanonicalKey, value: QTensor, activation) -> None:
+        """Keep `value` as the parameter's quantized value, built for a graph that runs it with
+        `activation` (a QuantKey; None: unquantized activations)."""
         record = self.record(param)
         record.canonical[key] = value
-        if source is not None:
-            record.source = source
+        record.activation[key] = activation
 
     def attach_quantized(self, param: torch.Tensor, weight: QTensor, spec, source: str, transposed: bool = False):
         """Make `weight` (formats.py's layout, `[..., N, K]`) the quantized value of a parameter that
         never held full-precision data (a pre-quantized checkpoint, quantize-on-load): its storage is
         freed and `spec` (a QuantSpec) becomes its layers' default, shown in the plan as `source`."""
         record = self.record(param)
-        record.canonical = {(spec.weight, transposed): weight}
+        record.canonical, record.activation = {(spec.weight, transposed): weight}, {}
         record.spec, record.source = spec, source
         if not self.release(param):
             raise ValueError(f"attach_quantized: the parameter's storage is shared ({source}); give it its own")
@@ -145,6 +147,16 @@ class WeightCache:
     def canonical_values(self, param: torch.Tensor) -> dict[CanonicalKey, QTensor]:
         record = self._records.get(id(param))
         return {} if record is None else dict(record.canonical)
+
+    def ran_with(self, param: torch.Tensor, key: CanonicalKey):
+        """The activation key a graph runs the canonical value `key` with: the last graph built for it,
+        else the spec it was declared with (`attach_quantized`); `...` when neither is known."""
+        record = self._records.get(id(param))
+        if record is None:
+            return ...
+        if key in record.activation:
+            return record.activation[key]
+        return record.spec.activation if record.spec is not None else ...
 
     def source(self, param: torch.Tensor) -> str | None:
         record = self._records.get(id(param))

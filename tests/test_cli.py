@@ -161,7 +161,10 @@ def test_run_quantizes_a_full_precision_checkpoint_as_it_loads(capsys, tmp_path)
     [
         ([], "--quantize-on-load needs the format to apply: --quantization NAME"),
         (["--compare", "int8_weight_only,int4_weight_only"], "--compare needs a full-precision model"),
-        (["--quantization", "int8_weight_only", "--save", "out"], "--save: no ModelOpt quant_algo stores kInt8"),
+        (
+            ["--quantization", "fp8_per_tensor", "--save", "out"],
+            "--save: no ModelOpt quant_algo stores kFp8StaticTensorSym",
+        ),
     ],
 )
 def test_quantize_on_load_usage_errors(capsys, tmp_path, extra, message):

@@ -13,6 +13,9 @@ naming the group, the setting and what is read.
 
 from __future__ import annotations
 
+import torch
+
+from ..quant_registry.formats import scale_shape
 from ..quant_registry.keys import (
     QuantKey,
     kFp8Dynamic128Sym,
@@ -89,6 +92,61 @@ def group_algo(name: str, group: dict, default_format: str | None, where: str) -
     hooks = ("int32_words",) if fmt == "pack-quantized" else ()
     spec_name = QuantSpec(weight, activation).name()
     return Algo(f"{PRODUCER} {fmt} {spec_name}", weight, activation, tensors, FORMATS[fmt], hooks, producer=PRODUCER)
+
+
+def _arguments(key: QuantKey, table: dict) -> dict | None:
+    """The quantization arguments compressed-tensors writes for `key` (its presets' spelling)."""
+    found = next((arguments for arguments, k in table.items() if k == key), None)
+    if found is None:
+        return None
+    kind, bits, strategy, size, dynamic = found
+    sizes = {"group_size": size} if strategy == "group" else {"block_structure": list(size)} if size else {}
+    return {"num_bits": bits, "type": kind, "symmetric": True, "strategy": strategy, **sizes, "dynamic": dynamic}
+
+
+def group_for(weight: QuantKey, activation: QuantKey | None) -> dict | None:
+    """A `config_groups` entry (without targets) storing `(weight, activation)`; None when the tables
+    have no arguments for it."""
+    weights = _arguments(weight, WEIGHT_KEYS)
+    inputs = None if activation is None else _arguments(activation, ACTIVATION_KEYS)
+    if weights is None or (activation is not None and inputs is None):
+        return None
+    fmt = "pack-quantized" if weight == kInt4StaticGroup128Sym else f"{weights['type']}-quantized"
+    return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": fmt}
+
+
+def export_row(weight: QuantKey, activation: QuantKey | None) -> Algo | None:
+    """The row a `(weight, activation)` pair is written in as compressed-tensors, if it can be."""
+    group = group_for(weight, activation)
+    return None if group is None else group_algo("export", group, None, "export")
+
+
+def stored_shapes(weight: QuantKey, shape: torch.Size) -> dict[str, tuple[int, ...]]:
+    """The scales' shapes compressed-tensors writes (and transformers' reader checks): every group
+    dim kept (`[N, 1]` per channel), `[1]` for a whole tensor's."""
+    whole = weight.group_shape.row == weight.group_shape.col == -1
+    return {"scale": (1,) if whole else scale_shape(weight, shape), "input_scale": (1,)}
+
+
+def export_config(targets: dict[Algo, list[str]], ignore: list[str]) -> dict:
+    """config.json's `quantization_config` for layers written in compressed-tensors rows: one group per
+    row, targeting `Linear` when there is one (the rest is in `ignore`), else the modules by name."""
+    groups = {
+        f"group_{i}": {
+            "targets": ["Linear"] if len(targets) == 1 else sorted(names),
+            **group_for(a.weight, a.activation),
+        }
+        for i, (a, names) in enumerate(targets.items())
+    }
+    formats = {group["format"] for group in groups.values()}
+    return {
+        "quant_method": PRODUCER,
+        "format": formats.pop() if len(formats) == 1 else "mixed-precision",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+    }
 
 
 def layout(quant: dict, where: str) -> Layout:

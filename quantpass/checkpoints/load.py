@@ -40,6 +40,7 @@ CONFIG_OPTIONS = ("linear", "moe", "targets", "ignore")
 # Per-expert checkpoint names of transformers' fused experts (gate, up, down): what transformers 5
 # and ModelOpt write for Qwen/DeepSeek/OLMoE-style experts, and Mixtral's names.
 EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+EXPERT_DATA = ("weight", "weight_blocks", "weight_packed")  # an expert projection's data, per expert (ModelOpt: weight)
 QUANTIZE_CHUNK = 1 << 14  # elements quantized at once on load: bounds the fp32 temporaries (64 KiB each)
 
 
@@ -310,7 +311,7 @@ class _Loader:
         shapes = {"gate_up_proj": _matrix(gate_up.shape, transposed), "down_proj": _matrix(down.shape, transposed)}
         fused = {n: f"{fqn}.{n}" for n in shapes}
         names = next(
-            (names for names in EXPERT_NAMES if any(f"{fqn}.0.{names[0]}.{s}" in self.entries for s in ("weight", "weight_blocks"))),
+            (names for names in EXPERT_NAMES if any(f"{fqn}.0.{names[0]}.{s}" in self.entries for s in EXPERT_DATA)),
             None,
         )  # fmt: skip
         for param_name, (rows, cols) in shapes.items():

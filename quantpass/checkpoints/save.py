@@ -1,10 +1,10 @@
-"""`qp.save_pretrained`: a quantpass-quantized model as a ModelOpt-format checkpoint.
+"""`qp.save_pretrained`: a quantpass-quantized model as a checkpoint that loads back running what it ran.
 
-Each quantized weight (`qp.state_dict(model, quantized=True)`) is written in the ModelOpt algo its
-key implies (algos.py; a loaded checkpoint's own algo per layer), fused experts one tensor per
-expert and projection as ModelOpt writes them; MXFP4 experts as gpt-oss's release stores them; a
-model loaded from transformers' fine-grained FP8 or compressed-tensors in that format again.
-A model loaded with `qp.from_pretrained` is written back with byte-identical tensors.
+Each quantized weight (`qp.state_dict(model, quantized=True)`) is written in the row export.py
+chooses for it (ModelOpt's, transformers' fine-grained FP8, compressed-tensors'; a loaded
+checkpoint's own), fused experts one tensor per expert and projection as ModelOpt writes them,
+MXFP4 experts as gpt-oss's release stores them. A model loaded with `qp.from_pretrained` is written
+back with byte-identical tensors.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from ..quant_registry.qtensor import QTensor
 from ..weight_cache import WEIGHTS
 from ..weights import _root, state_dict
 from . import shards
-from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, Algo, algo_for, hf_quantization_config
+from .algos import GPT_OSS_MXFP4, MIXED_PRECISION, Algo, hf_quantization_config
+from .compressed_tensors import export_config, stored_shapes
 from .convert import from_qtensor, roles, split_rows
+from .export import SINGLE_ROW, choose, exact_rows, modelopt_row
 from .load import EXPERT_NAMES, _fused_experts, renamed, renamings
 
 PRODUCER = {"name": "quantpass", "version": "0.1.0"}
@@ -37,27 +39,24 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
     stored = (info.stored_shapes, info.stored_dtypes) if info is not None else ({}, {})
     experts = {fqn for fqn, m in root.named_modules() if _fused_experts(m)}
     tensors: dict[str, torch.Tensor] = {}
-    layers: dict[str, Algo] = {}  # quantized module FQN (ModelOpt naming) -> its algo
     written: set[int] = set()
-    changed: dict[tuple, list[str]] = {}  # (activation it is set up for, the algo storing it) -> layers
+    quantized: dict[str, QTensor] = {}
     for name, value in state_dict(root, quantized=True).items():
-        fqn, _, param = name.rpartition(".")
-        if not isinstance(value, QTensor):
-            if value.untyped_storage().data_ptr() in written and value.numel():
-                continue  # a tied weight (lm_head = embed_tokens): written once
-            written.add(value.untyped_storage().data_ptr())
+        if isinstance(value, QTensor):
+            quantized[name] = value
+        elif value.untyped_storage().data_ptr() not in written or not value.numel():
+            written.add(value.untyped_storage().data_ptr())  # a tied weight (lm_head = embed_tokens): written once
             tensors[name] = value
-            continue
-        known = info.algos.get(fqn) if info is not None else None
-        if fqn in experts and value.key == GPT_OSS_MXFP4.weight:
-            algo = GPT_OSS_MXFP4
-        elif known is not None and known.weight == value.key:
-            algo = known
-        else:
-            algo = algo_for(value.key, value.input_scale is not None)
-        declared = WEIGHTS.declared(root.get_parameter(name))  # quantized on load: the spec it runs with
-        if declared is not None and declared[0].activation != algo.activation:
-            changed.setdefault((declared[0].activation, algo), []).append(fqn)
+    ran = {name: _ran_with(root.get_parameter(name)) for name in quantized}
+    candidates = {name: _candidates(info, experts, name, qt, ran[name]) for name, qt in quantized.items()}
+    chosen = choose(candidates) or {name: _fallback(info, experts, name, qt) for name, qt in quantized.items()}
+    layers: dict[str, Algo] = {}  # quantized module FQN (ModelOpt naming) -> its algo
+    changed: dict[tuple, list[str]] = {}  # (activation it is set up for, the algo storing it) -> layers
+    for name, value in quantized.items():
+        fqn, _, param = name.rpartition(".")
+        algo = chosen[name]
+        if ran[name] is not ... and ran[name] != algo.activation:
+            changed.setdefault((ran[name], algo), []).append(fqn)
         if fqn in experts and algo is not GPT_OSS_MXFP4:
             names = _expert_names(info, fqn)
             for e in range(value.shape[0]):
@@ -70,19 +69,44 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
             layers[fqn] = algo
             _put(tensors, algo, name, value, stored)
     for (activation, algo), fqns in changed.items():  # a checkpoint's format fixes the activations it loads with
-        ran, stores = (
+        runs, stores = (
             f"{a} activations" if a is not None else "unquantized activations" for a in (activation, algo.activation)
         )
         logger.warning(
-            "quantpass: %d layer(s) (e.g. %s) are set up for %s; a %s checkpoint declares %s, and they load back "
-            "so: pass {'activation': '%s'} in from_pretrained's linear= / moe= to keep %s",
-            len(fqns), fqns[0], ran, algo.name, stores, activation or "none", ran,
+            "quantpass: %d layer(s) (e.g. %s) run with %s; they are written as %s, which declares %s: they load "
+            "back so unless from_pretrained's linear= / moe= pass {'activation': '%s'}",
+            len(fqns), fqns[0], runs, algo.name, stores, activation or "none",
         )  # fmt: skip
     transforms = renamings(root.config.model_type, reverse=True) if info is not None and info.renamed else []
     tensors = {renamed(name, transforms): tensor for name, tensor in tensors.items()}  # the names it loaded with
     os.makedirs(path, exist_ok=True)
     shards.write(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
     _write_configs(root, path, layers, info, transforms)
+
+
+def _ran_with(param: torch.Tensor):
+    """The activation key the model runs `param`'s quantized value with (`...`: not known)."""
+    return WEIGHTS.ran_with(param, next(iter(WEIGHTS.canonical_values(param))))
+
+
+def _known(info, experts: set[str], name: str, qt: QTensor) -> Algo | None:
+    """The row a weight was loaded from (gpt-oss's for MXFP4 experts), if it still holds that key."""
+    fqn = name.rpartition(".")[0]
+    if fqn in experts and qt.key == GPT_OSS_MXFP4.weight:
+        return GPT_OSS_MXFP4
+    known = info.algos.get(fqn) if info is not None else None
+    return known if known is not None and known.weight == qt.key else None
+
+
+def _candidates(info, experts: set[str], name: str, qt: QTensor, activation) -> list[Algo]:
+    known = _known(info, experts, name, qt)
+    rows = [] if activation is ... else exact_rows(qt.key, activation, qt.input_scale is not None)
+    return list(dict.fromkeys([known, *rows] if known is not None else rows))
+
+
+def _fallback(info, experts: set[str], name: str, qt: QTensor) -> Algo:
+    """When no producer keeps every layer's activations: the loaded row, else ModelOpt's for the weight."""
+    return _known(info, experts, name, qt) or modelopt_row(qt.key, qt.input_scale is not None, name)
 
 
 def _expert_names(info, fqn: str) -> tuple[str, str, str]:
@@ -97,6 +121,8 @@ def _expert_names(info, fqn: str) -> tuple[str, str, str]:
 def _put(tensors: dict, algo: Algo, param_name: str, qt: QTensor, stored: tuple[dict, dict]) -> None:
     names = {role: algo.tensor_name(role, param_name) for role in roles(algo)}
     shapes, dtypes = ({role: found[n] for role, n in names.items() if n in found} for found in stored)
+    if algo.producer == "compressed-tensors" and not shapes:  # exported: the shapes its readers check
+        shapes = stored_shapes(algo.weight, qt.shape)
     for role, tensor in from_qtensor(algo, qt, shapes, dtypes).items():
         tensors[names[role]] = tensor
 
@@ -120,12 +146,15 @@ def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info, tr
     algos = set(layers.values())
     producers = {algo.producer for algo in algos}
     own = [algo for algo in algos if algo.producer != "modelopt"]  # formats a config.json declares on its own
-    if own and (len(producers) > 1 or (len(algos) > 1 and own[0].producer != "compressed-tensors")):
+    if own and (len(producers) > 1 or (len(algos) > 1 and own[0].producer in SINGLE_ROW)):
         names = ", ".join(sorted(algo.name for algo in algos))
         raise ValueError(f"cannot write {names} in one checkpoint: {own[0].name} has no mixed-precision layout here")
     if own and own[0].producer == "compressed-tensors" and (info is None or set(info.algos) != quantized):
-        raise ValueError("a compressed-tensors checkpoint is written back only with the layers it loaded quantized")
-    if own:
+        targets: dict[Algo, list[str]] = {}  # the layers each row stores, experts by their module
+        for fqn, algo in layers.items():
+            targets.setdefault(algo, []).append(_module_of(fqn))
+        config["quantization_config"] = export_config({a: sorted(set(n)) for a, n in targets.items()}, exclude)
+    elif own:
         config["quantization_config"] = hf_quantization_config(own[0], exclude, info.layout if info else None)
     elif algos:
         quantization = {"kv_cache_quant_algo": None}

@@ -220,7 +220,7 @@ def _binding(q: QuantizedSite) -> Binding:
         qtensors = lowering.prepare(site, weights, spec, backend)
         for param, ref, weight, release in zip(params, site.params, weights, binding.release):
             if release:  # the source for restoring and for other layouts once its storage is freed
-                WEIGHTS.set_canonical(param, (spec.weight, ref.transposed), weight)
+                WEIGHTS.set_canonical(param, (spec.weight, ref.transposed), weight, spec.activation)
                 if not binding.deferred:  # another instance through this graph, new data: free it now
                     WEIGHTS.release(param)
         return qtensors, [t for qt in qtensors for t in op_tensors(qt, spec, site.fqn) if t is not None]

@@ -1,0 +1,125 @@
+"""A model quantized online is saved in a format that loads back running what it ran.
+
+Each format is compiled on a tiny bf16 Llama, saved with `qp.save_pretrained` and read by the
+producer's own reader: transformers (its fine-grained FP8 reader, and compressed-tensors' through
+the real `compressed-tensors` package, both decompressing on CPU) must see the weights quantpass
+quantized, and `qp.from_pretrained` must run every layer with the same weight and activation keys
+and give the same logits. Where no one producer stores every layer with its activations, the
+ModelOpt rows for the weights are written and a warning names what changes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+import transformers
+
+import quantpass as qp
+from quantpass.checkpoints import shards
+from quantpass.metrics import cosine
+
+pytest.importorskip("compressed_tensors")
+from compressed_tensors.quantization import preset_name_to_scheme
+
+VOCAB = 256
+IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
+
+
+def tiny(moe: bool = False) -> transformers.PreTrainedModel:
+    common = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_hidden_layers=1,
+                  vocab_size=VOCAB, max_position_embeddings=64, initializer_range=0.05)  # fmt: skip
+    if moe:
+        config = transformers.Qwen3MoeConfig(intermediate_size=384, moe_intermediate_size=128, num_experts=4,
+                                             num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+                                             norm_topk_prob=True, **common)  # fmt: skip
+    else:
+        config = transformers.LlamaConfig(intermediate_size=384, **common)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()  # as a load makes it
+
+
+def run(model, **options):
+    backend = qp.backend(lowering="eager", **options)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        logits = torch.compile(model, backend=backend)(IDS).logits.float()
+    return logits, {row.fqn: (str(row.weight), str(row.activation)) for row in backend.plan.rows if row.quantized}
+
+
+# format -> (config.json's quant_method, ModelOpt quant_algo or compressed-tensors' preset scheme of the same keys)
+CASES = {
+    "fp8_per_block": ("fp8", None),  # transformers' fine-grained FP8 (ModelOpt's FP8_PB_WO is weight-only)
+    "fp8_per_channel": ("modelopt", "FP8_PER_CHANNEL_PER_TOKEN"),
+    "int8_per_channel": ("compressed-tensors", "W8A8"),
+    "int4_weight_only": ("compressed-tensors", "W4A16"),
+    "fp8_weight_only": ("compressed-tensors", None),  # fp8 channel weights, bf16 activations: no preset
+    "int8_weight_only": ("compressed-tensors", None),  # int-quantized without activations (W8A16 packs them)
+}
+
+
+@pytest.mark.parametrize("fmt", list(CASES))
+def test_saved_formats_load_back_running_what_ran(fmt, tmp_path, caplog):
+    model = tiny()
+    logits, ran = run(model, linear=fmt)
+    assert len(ran) == 7, ran
+    with caplog.at_level(logging.WARNING, logger="quantpass"):
+        qp.save_pretrained(model, tmp_path)
+    assert "load back so" not in caplog.text
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    method, scheme = CASES[fmt]
+    assert quant["quant_method"] == method, quant
+    if method == "modelopt":
+        assert quant["quant_algo"] == scheme, quant
+    if method == "compressed-tensors":
+        (group,) = quant["config_groups"].values()
+        assert group["targets"] == ["Linear"] and "lm_head" in quant["ignore"], quant
+        if scheme is not None:  # the arguments compressed-tensors' own preset writes
+            preset = preset_name_to_scheme(scheme, ["Linear"]).model_dump(exclude_none=True)
+            for role in ("weights", "input_activations"):
+                ours = {k: v for k, v in (group[role] or {}).items() if k != "observer"}
+                assert ours == {k: v for k, v in preset.get(role, {}).items() if k != "observer"}, role
+    if method != "modelopt":  # the producer's own reader (decompressing on CPU at the first call)
+        reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+        with torch.no_grad():
+            expected = reference(IDS).logits.float()
+        assert cosine(expected, logits) >= 0.99, cosine(expected, logits)
+        theirs = reference.state_dict()  # quantpass's weights, dequantized, are what it read
+        for name, value in qp.checkpoints.dequantized(qp.from_pretrained(tmp_path)).state_dict().items():
+            assert torch.allclose(value.float(), theirs[name].float(), rtol=2**-7, atol=0), name
+    loaded = qp.from_pretrained(tmp_path)
+    again, ran_again = run(loaded)
+    assert ran_again == ran
+    assert torch.equal(again, logits)
+
+
+def test_without_one_producer_for_every_layer_modelopt_rows_are_written_and_the_change_named(tmp_path, caplog):
+    model = tiny(moe=True)
+    _, ran = run(model, linear="fp8_per_block", moe="mxfp8")
+    with caplog.at_level(logging.WARNING, logger="quantpass"):
+        qp.save_pretrained(model, tmp_path)
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert quant["quant_algo"] == "MIXED_PRECISION", quant
+    algos = {layer: row["quant_algo"] for layer, row in quant["quantized_layers"].items()}
+    assert algos["model.layers.0.mlp.experts"] == "MXFP8" and algos["model.layers.0.self_attn.q_proj"] == "FP8_PB_WO"
+    assert "run with kFp8Dynamic128Sym activations; they are written as FP8_PB_WO" in caplog.text
+    _, ran_again = run(qp.from_pretrained(tmp_path))
+    assert ran_again["model.layers.0.mlp.experts"] == ran["model.layers.0.mlp.experts"]
+    assert ran_again["model.layers.0.self_attn.q_proj"] == ("kFp8Static128BlockSym", "None")
+
+
+def test_compressed_tensors_groups_name_their_layers_when_formats_differ(tmp_path):
+    model = tiny(moe=True)
+    logits, ran = run(model, linear="int8_per_channel", moe="int4_weight_only")
+    qp.save_pretrained(model, tmp_path)
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "mixed-precision", quant
+    targets = {group["format"]: group["targets"] for group in quant["config_groups"].values()}
+    assert targets["pack-quantized"] == ["model.layers.0.mlp.experts"], targets
+    assert "model.layers.0.self_attn.q_proj" in targets["int-quantized"], targets
+    assert any(name.endswith("experts.3.down_proj.weight_packed") for name in shards.index(str(tmp_path)))
+    again, ran_again = run(qp.from_pretrained(tmp_path))
+    assert ran_again == ran
+    assert torch.equal(again, logits)
