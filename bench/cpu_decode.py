@@ -12,8 +12,9 @@ over the same bytes is shown too. Layers: 8 distinct 4096x4096 bf16 linears, use
 call reads its weights from DRAM (8 x 8.4 MB of INT4 or 16.8 MB of INT8 > a 48 MB L3; with a 32 MB one
 part of the INT4 set was seen to stay cached; bench/kernel_ab.py --layers 24 rotates 200 MB). Per layer: the
 raw kernel, all 8 layers in one C call into a preallocated output (csrc/bench_probes.c: the kernel's
-own time, which the targets judge) and called from Python once per layer (`cpu_avx2.run`, ctypes; INT4
-also on its AVX2 tiles where the AVX-512 VNNI ones are in use), the graph op called eagerly (the one
+own time, which the targets judge) and called from Python once per layer (`cpu_avx2.run`, ctypes; also
+on the decode tiles not in use (8 or 4 weight rows at once), and INT4 on its AVX2 tiles where the
+AVX-512 VNNI ones are in use), the graph op called eagerly (the one
 compiled graphs call: the C++ op where it builds, kernels/cpu_op.py; and the Python
 `quantpass::linear_cpu` side by side), a compiled single-linear module (`torch.compile(layer,
 backend=qp.backend(...))`), one compiled module chaining all 8 (time / 8; also compiled with Inductor's
@@ -205,14 +206,6 @@ def layer_cases(name: str, threads: int) -> tuple[dict, int]:
 
     alone = kernel_alone(x, weights, [out] * LAYERS, bits, mode, threads)
 
-    def on_avx2_tiles():
-        tiles = cpu_avx2.int4_tiles()
-        cpu_avx2.int4_tiles("avx2")
-        try:
-            each(raw)()
-        finally:
-            cpu_avx2.int4_tiles(tiles)
-
     cases = {
         RAW: alone,
         PER_CALL: each(raw),
@@ -232,14 +225,26 @@ def layer_cases(name: str, threads: int) -> tuple[dict, int]:
         "torchao compiled layer": each(lambda i: ao_compiled[i](x)),
         "torchao compiled 8-layer chain": lambda: ao_chain(x),
     }
+    others = {f"kernel per call, {other} decode tiles": switched(cpu_avx2.decode_tiles, other, each(raw))
+              for other in cpu_avx2.DECODE_TILES if other != cpu_avx2.decode_tiles()}  # fmt: skip
     if bits == 4 and cpu_avx2.int4_tiles() != "avx2":  # side by side with the tiles used elsewhere
-        cases = {
-            RAW: cases.pop(RAW),
-            PER_CALL: cases.pop(PER_CALL),
-            "kernel per call, AVX2 tiles": on_avx2_tiles,
-            **cases,
-        }
+        others["kernel per call, AVX2 tiles"] = switched(cpu_avx2.int4_tiles, "avx2", each(raw))
+    cases = {RAW: cases.pop(RAW), PER_CALL: cases.pop(PER_CALL), **others, **cases}
     return cases, weights[0].nbytes
+
+
+def switched(switch, name: str, fn):
+    """`fn` run on the kernels' tiles `name` (`switch`: cpu_avx2.int4_tiles or decode_tiles), then back."""
+
+    def run():
+        before = switch()
+        switch(name)
+        try:
+            return fn()
+        finally:
+            switch(before)
+
+    return run
 
 
 # --- model ---
@@ -260,17 +265,11 @@ def llama(name: str):
         "quantpass": lambda: ours(ids, use_cache=False).logits,
         "torchao": lambda: theirs(ids, use_cache=False).logits,
     }
-    tiles = cpu_avx2.int4_tiles()
-    if name == "int4" and tiles != "avx2":  # the same compiled model on the AVX2 tiles, side by side
-
-        def on_avx2_tiles():
-            cpu_avx2.int4_tiles("avx2")
-            try:
-                return ours(ids, use_cache=False).logits
-            finally:
-                cpu_avx2.int4_tiles(tiles)
-
-        cases["quantpass, AVX2 tiles"] = on_avx2_tiles
+    for other in cpu_avx2.DECODE_TILES:  # the same compiled model on the other tiles, side by side
+        if other != cpu_avx2.decode_tiles():
+            cases[f"quantpass, {other} decode tiles"] = switched(cpu_avx2.decode_tiles, other, cases["quantpass"])
+    if name == "int4" and cpu_avx2.int4_tiles() != "avx2":
+        cases["quantpass, AVX2 tiles"] = switched(cpu_avx2.int4_tiles, "avx2", cases["quantpass"])
     return cases
 
 

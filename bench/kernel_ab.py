@@ -7,7 +7,8 @@ one C call, csrc/bench_probes.c), rounds interleaved, with the bandwidth probe i
     python bench/kernel_ab.py old=/tmp/old/linear_avx2.c new=quantpass/kernels/csrc/linear_avx2.c
 
 `--layers 24` puts 200 MB of INT4 weights in rotation instead of 67 MB (an L3 of 32 MB or more may
-hold part of 67 MB between passes). Each version runs INT4 on each of its tile sets (`avx2`, and `avx512-vnni` where the CPU has it).
+hold part of 67 MB between passes). Each version runs INT4 on each of its tile sets (`avx2`, and `avx512-vnni` where the CPU has it),
+and on each decode tile height where it has them (`8-row`, `4-row`).
 Prints one markdown row per (format, threads, version); writes kernel_ab.csv to --out.
 """
 
@@ -47,12 +48,17 @@ def cases(libs: dict[str, ctypes.CDLL], name: str, threads: int) -> dict:
                 continue  # this CPU lacks them
             run = cpu_decode.kernel_alone(x, weights, [out] * cpu_decode.LAYERS, bits, mode, threads, lib)
 
-            def each(run=run, lib=lib, tiles=tiles):
-                if tiles:
-                    lib.qp_int4_vnni(cpu_avx2.INT4_TILES.index(tiles))
-                run()
+            for decode in cpu_avx2.DECODE_TILES if hasattr(lib, "qp_decode_rows") else ("",):
 
-            out_of[f"{version} ({tiles})" if tiles else version] = each
+                def each(run=run, lib=lib, tiles=tiles, decode=decode):
+                    if tiles:
+                        lib.qp_int4_vnni(cpu_avx2.INT4_TILES.index(tiles))
+                    if decode:
+                        lib.qp_decode_rows(cpu_avx2.DECODE_TILES.index(decode))
+                    run()
+
+                label = ", ".join(filter(None, (tiles, decode)))
+                out_of[f"{version} ({label})" if label else version] = each
     return out_of, weights[0].nbytes
 
 
@@ -69,7 +75,7 @@ def main() -> None:
     libs = {name: load(path) for name, path in (s.split("=", 1) for s in args.sources)}
     stamp, rows = results.utc_stamp(), []
     print(f"# kernel A/B, {stamp}; torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
-    print("| format | threads | version (INT4 tiles) | ms/layer | spread | GB/s | % of bandwidth |")
+    print("| format | threads | version (tiles) | ms/layer | spread | GB/s | % of bandwidth |")
     print("| --- | ---: | --- | ---: | --- | ---: | ---: |")
     for threads in args.threads:
         torch.set_num_threads(threads)

@@ -67,10 +67,11 @@ def expected(x, qt, bits, mode):
 
 
 @needs_kernel
+@pytest.mark.parametrize("decode", cpu_avx2.DECODE_TILES)
 @pytest.mark.parametrize("bits, tiles", PATHS)
 @pytest.mark.parametrize("k", [100, 300, 1000])
-def test_every_path_matches_its_arithmetic_on_odd_shapes(k, bits, tiles):
-    with int4_tiles(tiles):
+def test_every_path_matches_its_arithmetic_on_odd_shapes(k, bits, tiles, decode):
+    with int4_tiles(tiles), on_tiles(cpu_avx2.decode_tiles, decode):
         _every_path_matches(k, bits)
 
 
@@ -160,6 +161,23 @@ def test_int4_tile_sets_agree_and_bad_names_are_named():
             assert cpu_avx2.int4_tiles() == tiles
             outs.append(cpu_avx2.linear(x, qt.data, qt.scale, mode="int8"))
     assert sqnr(outs[0].double(), outs[1]) >= 120  # measured 131 dB: fp32 rounding only
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits, tiles", PATHS)
+def test_decode_tile_heights_agree_bit_for_bit(bits, tiles):
+    """One activation row on 8-row or 4-row tiles: each output the same sum in the same order."""
+    with pytest.raises(ValueError, match=r"invalid decode tiles '2-row'; valid: 8-row, 4-row"):
+        cpu_avx2.decode_tiles("2-row")
+    with int4_tiles(tiles):
+        for n, k in ((67, 1000), (9, 300), (4096 + 5, 256)):
+            qt, x = weight(n, k, bits, seed=n), torch.randn(1, k).bfloat16()
+            for mode in cpu_avx2.FORMAT_MODES[bits]:
+                outs = []
+                for decode in cpu_avx2.DECODE_TILES:
+                    with on_tiles(cpu_avx2.decode_tiles, decode):
+                        outs.append(cpu_avx2.linear(x, qt.data, qt.scale, mode=mode))
+                assert torch.equal(*outs), (n, k, mode)
 
 
 @needs_kernel

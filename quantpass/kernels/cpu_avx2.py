@@ -51,6 +51,11 @@ OPENMP = "-fopenmp"  # tried first; without it the kernels build single-threaded
 # INT4 x int8 tiles (csrc's qp_int4_vnni 0, 1): AVX-512 VNNI wherever the CPU has it (measured faster on
 # Ice Lake at M = 1, 2, 4: bench/README.md, "CPU decode at the bandwidth limit"), AVX2 elsewhere.
 INT4_TILES = ("avx2", "avx512-vnni")
+# Tiles for one activation row (csrc's qp_decode_rows 0, 1): 8 weight rows at a time (measured faster on
+# Ice Lake, Zen 3 and Zen 4), or 4, which reads half as many weight streams at once: measured 5-19% faster
+# on a Zen 5 at 1 and 2 threads (bench/README.md, "Zen 5"). The same sums either way.
+DECODE_TILES = ("8-row", "4-row")
+DECODE_TILES_BY_CPU = {("AuthenticAMD", 26): "4-row"}  # (vendor, family) where measured; else the first
 CAPABILITIES = ("AVX2", "AVX512")  # torch's names for x86-64 CPUs with AVX2 + FMA
 P, I64, I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _ARGS = (P, I64, I32, I64, I64, P, P, I64, I64, I32, P, I32, P, I64, I32, I32, I32)  # qp_linear's C signature
@@ -215,6 +220,25 @@ def int4_tiles(name: str | None = None) -> str:
     return switch_tiles(lib.qp_int4_vnni, INT4_TILES, name, "INT4", "AVX-512 BW, VL or VNNI")
 
 
+def decode_tiles(name: str | None = None) -> str:
+    """The tiles that multiply one activation row (one of DECODE_TILES); with `name`, switch to those
+    first. Both give the same outputs, bit for bit."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"quantpass's CPU kernels can't run: {available()[1]}")
+    return switch_tiles(lib.qp_decode_rows, DECODE_TILES, name, "decode", "nothing")
+
+
+def cpu_family() -> tuple[str, int] | None:
+    """(vendor_id, cpu family) from /proc/cpuinfo, None where it can't be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            fields = dict(map(str.strip, line.split(":", 1)) for line in f.read(8192).splitlines() if ":" in line)
+        return fields["vendor_id"], int(fields["cpu family"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
 def format_tiles(library, entry: str, names: tuple[str, ...], name: str | None, what: str, lacks: str) -> str:
     """`switch_tiles` for a format family's kernel library (`format_kernel`'s loader `library`, C switch
     `entry`): raises where the kernel can't run."""
@@ -265,6 +289,7 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     if lib is None:
         return None, False, reason
     with_signatures(lib).qp_int4_vnni(1)  # where the CPU has them (INT4_TILES)
+    lib.qp_decode_rows(DECODE_TILES.index(DECODE_TILES_BY_CPU.get(cpu_family(), DECODE_TILES[0])))
     return lib, True, f"quantpass's AVX2 kernels ({reason})"
 
 
@@ -275,6 +300,8 @@ def with_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qp_moe.argtypes, lib.qp_moe.restype = _MOE_ARGS, ctypes.c_int
     lib.qp_scratch_bytes.argtypes, lib.qp_scratch_bytes.restype = (I64, I64, I32, I32), I64
     lib.qp_int4_vnni.argtypes, lib.qp_int4_vnni.restype = (I32,), I32
+    if hasattr(lib, "qp_decode_rows"):  # not in builds of older sources (bench/kernel_ab.py)
+        lib.qp_decode_rows.argtypes, lib.qp_decode_rows.restype = (I32,), I32
     return lib
 
 

@@ -375,27 +375,35 @@ typedef void (*tile_fn)(const problem *, const uint8_t *acts, int64_t n, float *
                   p->kpad, B, res, R, MB))
 /* Rows per tile for MB = 1..4 (accumulators, decoded weights and temporaries in 16 registers, 32 for the
  * VNNI ones; INT4's 8-row AVX2 tile keeps some of its integer sums on the stack, measured faster than 4
- * rows all in registers), and the one-row tiles for N's tail. */
-Q4(8, 1) Q4(2, 2) Q4(1, 1) Q4(1, 2) Q4(1, 3) Q4(1, 4)
-V4(8, 1) V4(4, 2) V4(2, 3) V4(2, 4) V4(1, 1) V4(1, 2) V4(1, 3) V4(1, 4)
-Q8(8, 1) Q8(4, 2) Q8(2, 3) Q8(2, 4) Q8(1, 1) Q8(1, 2) Q8(1, 3) Q8(1, 4)
+ * rows all in registers), the one-row tiles for N's tail, and 4-row tiles for MB = 1 (`qp_decode_rows`:
+ * half as many weight streams at once, measured faster on a Zen 5). */
+Q4(8, 1) Q4(4, 1) Q4(2, 2) Q4(1, 1) Q4(1, 2) Q4(1, 3) Q4(1, 4)
+V4(8, 1) V4(4, 1) V4(4, 2) V4(2, 3) V4(2, 4) V4(1, 1) V4(1, 2) V4(1, 3) V4(1, 4)
+Q8(8, 1) Q8(4, 1) Q8(4, 2) Q8(2, 3) Q8(2, 4) Q8(1, 1) Q8(1, 2) Q8(1, 3) Q8(1, 4)
 EX(4, 4, 1) EX(4, 2, 2) EX(4, 2, 3) EX(4, 2, 4) EX(4, 1, 1) EX(4, 1, 2) EX(4, 1, 3) EX(4, 1, 4)
 EX(8, 4, 1) EX(8, 2, 2) EX(8, 2, 3) EX(8, 2, 4) EX(8, 1, 1) EX(8, 1, 2) EX(8, 1, 3) EX(8, 1, 4)
 
 typedef struct {
   tile_fn wide[4], one[4]; /* by MB - 1 */
   int rows[4];
+  tile_fn four; /* MB = 1 on 4 rows (`qp_decode_rows`) */
 } tiles;
 static const tiles INT4_INT8 = {{int4_int8_8_1, int4_int8_2_2, int4_int8_1_3, int4_int8_1_4},
-                                {int4_int8_1_1, int4_int8_1_2, int4_int8_1_3, int4_int8_1_4}, {8, 2, 1, 1}};
+                                {int4_int8_1_1, int4_int8_1_2, int4_int8_1_3, int4_int8_1_4}, {8, 2, 1, 1}, int4_int8_4_1};
 static const tiles INT4_VNNI = {{int4_vnni_8_1, int4_vnni_4_2, int4_vnni_2_3, int4_vnni_2_4},
-                                {int4_vnni_1_1, int4_vnni_1_2, int4_vnni_1_3, int4_vnni_1_4}, {8, 4, 2, 2}};
+                                {int4_vnni_1_1, int4_vnni_1_2, int4_vnni_1_3, int4_vnni_1_4}, {8, 4, 2, 2}, int4_vnni_4_1};
 static const tiles INT8_INT16 = {{int8_int16_8_1, int8_int16_4_2, int8_int16_2_3, int8_int16_2_4},
-                                 {int8_int16_1_1, int8_int16_1_2, int8_int16_1_3, int8_int16_1_4}, {8, 4, 2, 2}};
+                                 {int8_int16_1_1, int8_int16_1_2, int8_int16_1_3, int8_int16_1_4}, {8, 4, 2, 2},
+                                 int8_int16_4_1};
 static const tiles EXACT4 = {{exact4_4_1, exact4_2_2, exact4_2_3, exact4_2_4},
-                             {exact4_1_1, exact4_1_2, exact4_1_3, exact4_1_4}, {4, 2, 2, 2}};
+                             {exact4_1_1, exact4_1_2, exact4_1_3, exact4_1_4}, {4, 2, 2, 2}, exact4_4_1};
 static const tiles EXACT8 = {{exact8_4_1, exact8_2_2, exact8_2_3, exact8_2_4},
-                             {exact8_1_1, exact8_1_2, exact8_1_3, exact8_1_4}, {4, 2, 2, 2}};
+                             {exact8_1_1, exact8_1_2, exact8_1_3, exact8_1_4}, {4, 2, 2, 2}, exact8_4_1};
+
+/* Which tiles multiply one activation row: 0 the 8-row ones, 1 the 4-row ones (`choose_tiles`). Every
+ * output is the same sum in the same order either way. */
+static int decode_four = 0;
+int qp_decode_rows(int want) { return choose_tiles(&decode_four, want, 1); }
 
 static void rows(const void *arg, int64_t n0, int64_t n1) {
   const problem *p = arg;
@@ -405,11 +413,13 @@ static void rows(const void *arg, int64_t n0, int64_t n1) {
   for (int64_t nb = n0; nb < n1; nb += 16) { /* 16 weight rows at a time: in cache while M repeats them */
     const int64_t ne = nb + 16 < n1 ? nb + 16 : n1;
     for (int64_t m = 0; m < p->M; m += 4) {
-      const int mb = p->M - m < 4 ? (int)(p->M - m) : 4, step = t->rows[mb - 1];
+      const int mb = p->M - m < 4 ? (int)(p->M - m) : 4, four = mb == 1 && decode_four == 1;
+      const int step = four ? 4 : t->rows[mb - 1];
+      const tile_fn wide = four ? t->four : t->wide[mb - 1];
       const uint8_t *acts = p->acts + m * act_stride;
       for (int64_t n = nb; n < ne;) {
         const int r = n + step <= ne ? step : 1;
-        (r == step ? t->wide : t->one)[mb - 1](p, acts, n, res);
+        (r == step ? wide : t->one[mb - 1])(p, acts, n, res);
         for (int i = 0; i < mb; i++)
           for (int j = 0; j < r; j++) {
             const float b = p->bias ? to_f32(p->bias, p->btype, n + j) : 0.0f;
