@@ -6,7 +6,8 @@ fp16, and multiply in one of three ways (`mode`): "exact" (fp32 activations), "i
 (llama.cpp-style: each 128 activations quantized once per call to int8, integer multiply-adds) and
 "int16" for INT8 weights (activations to int16: exact integer products). The cpu backend chooses per
 format (`cpu.ACTIVATION_MODES`, measured). Where the CPU has AVX-512 VNNI, INT4's "int8" mode runs on
-512-bit tiles instead of the AVX2 ones (`int4_tiles`, measured faster). Speed and accuracy:
+512-bit tiles instead of the AVX2 ones (`int4_tiles`, measured faster); one activation row meets 8
+weight rows at a time, or 4 on CPUs where that was measured faster (`decode_tiles`). Speed and accuracy:
 bench/README.md, "CPU decode at the bandwidth limit".
 
 The C source needs no Python or torch headers: the system C compiler builds it in about a second
@@ -51,8 +52,8 @@ OPENMP = "-fopenmp"  # tried first; without it the kernels build single-threaded
 # INT4 x int8 tiles (csrc's qp_int4_vnni 0, 1): AVX-512 VNNI wherever the CPU has it (measured faster on
 # Ice Lake at M = 1, 2, 4: bench/README.md, "CPU decode at the bandwidth limit"), AVX2 elsewhere.
 INT4_TILES = ("avx2", "avx512-vnni")
-# Tiles for one activation row (csrc's qp_decode_rows 0, 1): 8 weight rows at a time (measured faster on
-# Ice Lake, Zen 3 and Zen 4), or 4, which reads half as many weight streams at once: measured 5-19% faster
+# Tiles for one activation row (csrc's qp_decode_rows 0, 1): 8 weight rows at a time (measured faster than
+# fewer on a Zen 4), or 4, which reads half as many weight streams at once: measured 5-19% faster
 # on a Zen 5 at 1 and 2 threads (bench/README.md, "Zen 5"). The same sums either way.
 DECODE_TILES = ("8-row", "4-row")
 DECODE_TILES_BY_CPU = {("AuthenticAMD", 26): "4-row"}  # (vendor, family) where measured; else the first
