@@ -158,9 +158,17 @@ class WeightCache:
             return record.activation[key]
         return record.spec.activation if record.spec is not None else ...
 
+    def note(self, param: torch.Tensor, source: str) -> None:
+        """Say where a full-precision parameter came from (a quantized checkpoint that stores it
+        unquantized): the plan's reason for leaving its layer alone, until new data is assigned."""
+        self.record(param).source = source
+
     def source(self, param: torch.Tensor) -> str | None:
         record = self._records.get(id(param))
-        return None if record is None else record.source
+        if record is None:
+            return None
+        self.generation(param)  # new data assigned since drops it
+        return record.source
 
     def release(self, param: torch.Tensor) -> bool:
         """Free the parameter's storage; it must hold a canonical value. False when it can't be freed

@@ -123,6 +123,8 @@ def test_compressed_tensors_checkpoint(case, tmp_path):
     assert set(quantized) == stored, plan
     if case == "MIXED":
         assert "model.layers.0.mlp.down_proj" not in stored
+    for row in plan.rows:  # the ignored layers and lm_head say why they stay bf16
+        assert row.quantized or row.reason.startswith("checkpoint: stored unquantized (a "), row
     for fqn, row in quantized.items():
         scheme = next(
             name for name, targets in groups.items() if any(t == "Linear" or re.match(t[3:], fqn) for t in targets)

@@ -26,7 +26,7 @@ from transformers.utils.quantization_config import FineGrainedFP8Config
 
 import quantpass as qp
 from quantpass.checkpoints import shards
-from quantpass.checkpoints.algos import _skipped
+from quantpass.checkpoints.algos import HF_FP8, _skipped
 from quantpass.metrics import cosine
 from quantpass.weight_cache import WEIGHTS
 
@@ -171,10 +171,13 @@ def test_fine_grained_fp8_checkpoint(case, tmp_path):
         expected_layers.add("model.layers.0.mlp.experts")
     quantized = {row.fqn for row in plan.rows if row.quantized}
     assert quantized == expected_layers, plan
+    algo = HF_FP8[scale_fmt].name
     for row in plan.rows:
         if row.quantized:
-            assert row.reason.startswith("checkpoint: FP8_BLOCK"), row
+            assert row.reason.startswith(f"checkpoint: {algo}"), row
             assert (str(row.weight), str(row.activation)) == ("kFp8Static128BlockSym", "kFp8Dynamic128Sym"), row
+        else:  # why it stays bf16
+            assert row.reason == f"checkpoint: stored unquantized (a {algo} checkpoint)", row
     for fqn in quantized:
         module = model.get_submodule(fqn)
         for param in (module.gate_up_proj, module.down_proj) if fqn.endswith("experts") else (module.weight,):

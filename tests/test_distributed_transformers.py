@@ -104,5 +104,5 @@ def test_transformers_expert_parallel_qwen3_moe_all_to_all(tmp_path):
     results = run_ranks(_hf_tp_case, str(tmp_path), fmt, True, "all_to_all")
     _check_formats(results, [fmt], expected_quantized=None, gathers=None)
     for result in results:
-        fmt_row, note = result[fmt]["rows"]["gate_up_proj"]  # named in the experts' own graph
+        fmt_row, note = result[fmt]["rows"]["model.layers.0.mlp.experts.gate_up_proj"]  # the experts graph's parameter
         assert fmt_row == fmt and "experts quantized one by one" in note, note

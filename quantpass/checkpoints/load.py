@@ -224,7 +224,7 @@ class _Loader:
             return self._attach(module, name, old, value, spec, why, transposed)
         spec = self._on_load_spec(fqn, kind, module, name)
         if spec is None:
-            module._parameters[name] = nn.Parameter(value, requires_grad=old.requires_grad)
+            self.keep(module, name, value, old.requires_grad)
             return None
         matrix = value.transpose(-2, -1) if transposed else value
         qt = _quantize_streaming(matrix, spec.weight, f"{fqn}.{name}")
@@ -233,6 +233,13 @@ class _Loader:
         # results resident: 51 MiB peak instead of 29 MiB loading a 31 MiB checkpoint as INT8 (83 vs 28 for INT4)
         return_freed_memory()
         return self._attach(module, name, old, qt, spec, f"quantized on load: {spec.name()}", transposed)
+
+    def keep(self, module: nn.Module, name: str, value: torch.Tensor, requires_grad: bool) -> None:
+        """`module.name` full precision; a matrix of a quantized checkpoint (a linear, a router, an embedding
+        lm_head may be tied to) is noted as stored so: the plan's reason for leaving its layer alone."""
+        param = module._parameters[name] = nn.Parameter(value, requires_grad=requires_grad)
+        if self.layout is not None and value.dim() >= 2:
+            WEIGHTS.note(param, f"checkpoint: stored unquantized (a {self.layout.quant_algo} checkpoint)")
 
     def _attach(self, module, name, old, qt: QTensor, spec, source: str, transposed: bool):
         param = nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device=self.device), requires_grad=False)
@@ -269,8 +276,7 @@ class _Loader:
                 if isinstance(module, nn.Linear) and name == "weight":
                     self.load_linear(fqn, module)
                 elif full in self.entries:
-                    value = _as_built(self.read(full), param, full)
-                    module._parameters[name] = nn.Parameter(value, requires_grad=param.requires_grad)
+                    self.keep(module, name, _as_built(self.read(full), param, full), param.requires_grad)
             for name, buffer in module._buffers.items():
                 full = f"{fqn}.{name}" if fqn else name
                 if buffer is not None and full in self.entries:

@@ -155,7 +155,8 @@ def plan_sites(
             decided.append(left(f"{site.default_ignore}: left alone by default (name it in targets to quantize)"))
             continue
         if spec is None:
-            decided.append(left(why))
+            noted = (WEIGHTS.source(example_inputs[p.index]) for p in site.params)
+            decided.append(left(next(filter(None, noted), why)))  # a checkpoint's unquantized layer says so
             continue
         activation = _value(site.input_nodes[0]) if site.input_nodes else None
         if activation is not None and not activation.is_floating_point():
