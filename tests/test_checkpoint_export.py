@@ -110,16 +110,42 @@ def test_without_one_producer_for_every_layer_modelopt_rows_are_written_and_the_
     assert ran_again["model.layers.0.self_attn.q_proj"] == ("kFp8Static128BlockSym", "None")
 
 
-def test_compressed_tensors_groups_name_their_layers_when_formats_differ(tmp_path):
+@pytest.mark.parametrize("moe", ["int4_weight_only", "int8_per_channel"])
+def test_compressed_tensors_moe_models_load_back(moe, tmp_path):
+    """One group targeting `Linear` when experts and linears share a format, else one group per
+    format naming its modules (the experts by their module)."""
     model = tiny(moe=True)
-    logits, ran = run(model, linear="int8_per_channel", moe="int4_weight_only")
+    logits, ran = run(model, linear="int8_per_channel", moe=moe)
     qp.save_pretrained(model, tmp_path)
     quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
-    assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "mixed-precision", quant
     targets = {group["format"]: group["targets"] for group in quant["config_groups"].values()}
-    assert targets["pack-quantized"] == ["model.layers.0.mlp.experts"], targets
-    assert "model.layers.0.self_attn.q_proj" in targets["int-quantized"], targets
-    assert any(name.endswith("experts.3.down_proj.weight_packed") for name in shards.index(str(tmp_path)))
+    if moe == "int8_per_channel":
+        assert quant["format"] == "int-quantized" and targets == {"int-quantized": ["Linear"]}, quant
+    else:
+        assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "mixed-precision", quant
+        assert targets["pack-quantized"] == ["model.layers.0.mlp.experts"], targets
+        assert "model.layers.0.self_attn.q_proj" in targets["int-quantized"], targets
+    suffix = "weight_packed" if moe == "int4_weight_only" else "weight"
+    assert any(name.endswith(f"experts.3.down_proj.{suffix}") for name in shards.index(str(tmp_path)))
     again, ran_again = run(qp.from_pretrained(tmp_path))
     assert ran_again == ran
     assert torch.equal(again, logits)
+
+
+def test_fp8_per_block_moe_model_saves_as_transformers_fp8(tmp_path):
+    """Experts one tensor per expert and projection, as transformers' own FP8 MoE checkpoints store them;
+    transformers reads the directory (dequantizing on CPU) to quantpass's weights."""
+    model = tiny(moe=True)
+    logits, ran = run(model, linear="fp8_per_block", moe="fp8_per_block")
+    qp.save_pretrained(model, tmp_path)
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "fp8" and quant["weight_block_size"] == [128, 128], quant
+    assert "model.layers.0.mlp.experts.3.down_proj.weight_scale_inv" in shards.index(str(tmp_path))
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert cosine(reference(IDS).logits.float(), logits) >= 0.99
+    theirs = reference.state_dict()
+    for name, value in qp.checkpoints.dequantized(qp.from_pretrained(tmp_path)).state_dict().items():
+        assert torch.equal(value, theirs[name]), name
+    again, ran_again = run(qp.from_pretrained(tmp_path))
+    assert ran_again == ran and torch.equal(again, logits)
