@@ -149,3 +149,24 @@ def test_fp8_per_block_moe_model_saves_as_transformers_fp8(tmp_path):
         assert torch.equal(value, theirs[name]), name
     again, ran_again = run(qp.from_pretrained(tmp_path))
     assert ran_again == ran and torch.equal(again, logits)
+
+
+@pytest.mark.parametrize(
+    "scheme, fmt",
+    [("FP8", "float-quantized"), ("FP8_DYNAMIC", "float-quantized"), ("FP8_BLOCK", "float-quantized"),
+     ("W8A8", "int-quantized"), ("W4A16", "pack-quantized"), ("NVFP4", "nvfp4-pack-quantized"),
+     ("NVFP4A16", "nvfp4-pack-quantized")],
+)  # fmt: skip
+def test_compressed_tensors_groups_are_written_as_its_presets_write_them(scheme, fmt):
+    """Read into keys and written back from them: the arguments and format compressed-tensors' own
+    preset and compressor have."""
+    from quantpass.checkpoints import compressed_tensors as ct
+
+    preset = preset_name_to_scheme(scheme, ["Linear"]).model_dump(exclude_none=True)
+    row = ct.group_algo("g", preset, fmt, "preset")
+    group = ct.group_for(row.weight, row.activation)
+    assert group["format"] == fmt
+    for role in ("weights", "input_activations"):
+        ours = {k: v for k, v in (group[role] or {}).items() if k != "observer"}
+        assert ours == {k: v for k, v in preset.get(role, {}).items() if k != "observer"}, role
+    assert ct.group_algo("g", group, None, "written") == row

@@ -32,11 +32,12 @@ from compressed_tensors.quantization import (  # noqa: E402
     apply_quantization_config,
     preset_name_to_scheme,
 )
-from compressed_tensors.quantization.utils.helpers import calculate_qparams  # noqa: E402
+from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam  # noqa: E402
 
 VOCAB = 256
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
-FLOOR = {"FP8_DYNAMIC": 0.99, "FP8": 0.99, "FP8_BLOCK": 0.99, "W8A8": 0.99, "W4A16": 0.999, "MIXED": 0.99}
+FLOOR = {"FP8_DYNAMIC": 0.99, "FP8": 0.99, "FP8_BLOCK": 0.99, "W8A8": 0.99, "W4A16": 0.999, "MIXED": 0.99,
+         "NVFP4": 0.97, "NVFP4A16": 0.999}  # fmt: skip
 
 
 def tiny() -> transformers.PreTrainedModel:
@@ -52,7 +53,7 @@ def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
         return weight.amin().reshape(1), weight.amax().reshape(1)
     if args.strategy == QuantizationStrategy.CHANNEL:
         return weight.amin(1, keepdim=True), weight.amax(1, keepdim=True)
-    if args.strategy == QuantizationStrategy.GROUP:
+    if args.strategy in (QuantizationStrategy.GROUP, QuantizationStrategy.TENSOR_GROUP):
         groups = weight.unflatten(-1, (-1, args.group_size))
         return groups.amin(-1), groups.amax(-1)
     rows, cols = args.block_structure  # BLOCK
@@ -71,10 +72,16 @@ def write_ct(groups: dict, out, ignore=("lm_head",)) -> str:
         scheme = getattr(module, "quantization_scheme", None)
         if scheme is None:
             continue
-        scale, _ = calculate_qparams(*_min_max(module.weight.detach().float(), scheme.weights), scheme.weights)
+        weight, top = module.weight.detach().float(), None
+        if scheme.weights.strategy == QuantizationStrategy.TENSOR_GROUP:  # NVFP4: the global scale first
+            top = generate_gparam(weight.amin(), weight.amax())
+            module.weight_global_scale.data.copy_(top.reshape(module.weight_global_scale.shape))
+        scale, _ = calculate_qparams(*_min_max(weight, scheme.weights), scheme.weights, global_scale=top)
         module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
         if hasattr(module, "input_scale"):  # a static activation scale, as calibration would leave it
             module.input_scale.data.fill_(0.02)
+        if hasattr(module, "input_global_scale"):  # NVFP4's: 448 * 6 / the inputs' calibrated amax
+            module.input_global_scale.data.fill_(448 * 6 / 4.0)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     path = os.path.join(out, "ct")
@@ -96,8 +103,15 @@ CASES = {  # name -> ({preset scheme: targets}, ignore)
     "FP8_BLOCK": ({"FP8_BLOCK": ["Linear"]}, ("lm_head",)),
     "W8A8": ({"W8A8": ["Linear"]}, ("lm_head",)),
     "W4A16": ({"W4A16": ["Linear"]}, ("lm_head",)),  # pack-quantized: eight nibbles per int32 word
+    "NVFP4": ({"NVFP4": ["Linear"]}, ("lm_head",)),  # nvfp4-pack-quantized: ModelOpt's NVFP4, inverse global scales
+    "NVFP4A16": ({"NVFP4A16": ["Linear"]}, ("lm_head",)),
     # two groups by regex, a layer ignored by regex
     "MIXED": ({"FP8_DYNAMIC": ["re:.*self_attn.*"], "W8A8": ["re:.*mlp.*"]}, ("lm_head", "re:.*down_proj$")),
+}
+STATIC_KEYS = {
+    "FP8": ("kFp8StaticTensorSym", "kFp8StaticTensorSym"),  # the calibrated input scale's formats
+    "NVFP4": ("kNvfp4Static", "kNvfp4CalibratedGlobal"),
+    "NVFP4A16": ("kNvfp4Static", "None"),
 }
 EXPECTED_FORMAT = {"FP8_DYNAMIC": "fp8_per_channel", "FP8_BLOCK": "fp8_per_block", "W8A8": "int8_per_channel",
                    "W4A16": "int4_weight_only"}  # fmt: skip
@@ -117,7 +131,7 @@ def test_compressed_tensors_checkpoint(case, tmp_path):
     # every linear the checkpoint stores quantized runs its format; nothing else is quantized
     entries = shards.index(path)
     stored = {name.removesuffix(".weight_scale") for name in entries if name.endswith(".weight_scale")}
-    if case == "W4A16":  # no 16-bit copy of a packed weight: its `weight_packed` words are the layer's data
+    if case in ("W4A16", "NVFP4", "NVFP4A16"):  # no 16-bit copy of a packed weight: `weight_packed` is its data
         assert not any(name.endswith(".weight") and name.rsplit(".", 1)[0] in stored for name in entries)
     quantized = {row.fqn: row for row in plan.rows if row.quantized}
     assert set(quantized) == stored, plan
@@ -131,8 +145,8 @@ def test_compressed_tensors_checkpoint(case, tmp_path):
         )
         if scheme in EXPECTED_FORMAT:
             assert row.format == EXPECTED_FORMAT[scheme], row
-        if scheme == "FP8":
-            assert (str(row.weight), str(row.activation)) == ("kFp8StaticTensorSym", "kFp8StaticTensorSym"), row
+        if scheme in STATIC_KEYS:
+            assert (str(row.weight), str(row.activation)) == STATIC_KEYS[scheme], row
         assert row.reason.startswith("checkpoint: compressed-tensors"), row
         weight = model.get_submodule(fqn).weight
         assert WEIGHTS.declared(weight) is not None and weight.untyped_storage().nbytes() == 0, fqn
@@ -173,13 +187,14 @@ def test_formats_without_a_layout_here_are_refused_naming_them(scheme, message, 
 @pytest.mark.parametrize(
     "fmt, weights, message",
     [
-        ("nvfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "tensor_group", "group_size": 16},
-         "format 'nvfp4-pack-quantized' is not supported; quantpass reads: float-quantized, int-quantized, "
-         "naive-quantized, pack-quantized"),
+        ("mxfp4-pack-quantized", {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32},
+         "format 'mxfp4-pack-quantized' is not supported; quantpass reads: float-quantized, int-quantized, "
+         "naive-quantized, pack-quantized, nvfp4-pack-quantized"),
         ("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "actorder": "group"},
          r"weights: actorder 'group' \(GPTQ's permuted groups, `weight_g_idx`\) is not supported"),
         ("pack-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"},
-         "kInt8StaticChannelSym weights in format 'pack-quantized': quantpass reads them packed only as 4-bit ints"),
+         "kInt8StaticChannelSym weights in format 'pack-quantized'; quantpass reads packed: kInt4StaticGroup128Sym "
+         "as 'pack-quantized', kNvfp4Static as 'nvfp4-pack-quantized'"),
     ],
 )  # fmt: skip
 def test_arguments_without_a_key_are_refused_naming_them(fmt, weights, message, tmp_path):

@@ -136,6 +136,12 @@ def _int32_words(role: str, tensor: torch.Tensor, want) -> torch.Tensor | None:
     return None if role == "shape" else tensor
 
 
+def _inverse_global_scale(role: str, tensor: torch.Tensor, want) -> torch.Tensor:
+    """compressed-tensors' NVFP4: the global scales it stores are the reciprocals of ModelOpt's (the
+    weight's and the input's dequantization multipliers), taken in float64 and rounded once."""
+    return (1 / tensor.double()).float() if role in ("scale2", "input_scale") else tensor
+
+
 # hook name -> fn(role, checkpoint tensor, canonical shape) -> tensor to use (None: drop it)
 HOOKS = {
     "block_scale_shape": _block_scale_shape,
@@ -143,6 +149,7 @@ HOOKS = {
     "gpt_oss_blocks": _gpt_oss_blocks,
     "e8m0_scale": _e8m0_scale,
     "int32_words": _int32_words,
+    "inverse_global_scale": _inverse_global_scale,
 }
 # hook name -> roles the hook reads (and, for `int32_words`, writes) beside the algo's own
 EXTRA_ROLES = {"drop_input_scale": ("input_scale",), "int32_words": ("shape",)}

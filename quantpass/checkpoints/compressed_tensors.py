@@ -1,14 +1,15 @@
 """compressed-tensors checkpoints (`quant_method: compressed-tensors`, llm-compressor's output: the
-RedHatAI / neuralmagic FP8-dynamic, W8A8, FP8-block and W4A16 releases).
+RedHatAI / neuralmagic FP8-dynamic, W8A8, FP8-block, W4A16 and NVFP4 releases).
 
 Such a config has no algo name: each `config_groups` entry gives its weights' and input
 activations' quantization arguments (type, bits, strategy, dynamic, ...) and the modules it
 `targets`. The arguments are read into quantpass's `(weight, activation)` QuantKey pair, and the
 group becomes an `Algo` row like any other; its tensors are named as ModelOpt names them
-(`weight`, `weight_scale`, `input_scale`; `weight_packed` for packed 4-bit ints). Read: the
-`float-quantized` and `int-quantized` formats (8-bit weights) and `pack-quantized` 4-bit ints in
-groups of 128 (W4A16), symmetric, for the pairs quantpass has a format for; anything else raises
-naming the group, the setting and what is read.
+(`weight`, `weight_scale`, `input_scale`; `weight_packed` for packed 4-bit data). Read: the
+`float-quantized` and `int-quantized` formats (8-bit weights), `pack-quantized` 4-bit ints in
+groups of 128 (W4A16) and `nvfp4-pack-quantized` (NVFP4, W4A4 or W4A16), symmetric, for the pairs
+quantpass has a format for; anything else raises naming the group, the setting and what is read.
+The same tables write a group for a key pair (`group_for`, export).
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from ..quant_registry.keys import (
     kInt4StaticGroup128Sym,
     kInt8DynamicTokenSym,
     kInt8StaticChannelSym,
+    kNvfp4CalibratedGlobal,
+    kNvfp4Static,
     needs_input_scale,
 )
 from ..quant_registry.spec import QuantSpec
@@ -35,8 +38,15 @@ PRODUCER = "compressed-tensors"
 # `pack-quantized`: 4-bit ints packed eight per int32 word (`weight_packed`, offset by 8, first in the
 # lowest bits: as bytes, quantpass's INT4 layout) beside the unpacked shape (`weight_shape`)
 PACKED_NAMES = {**MODELOPT_NAMES, "data": "{m}.weight_packed", "shape": "{m}.weight_shape"}
+# `nvfp4-pack-quantized`: ModelOpt's NVFP4 bytes and e4m3 group scales, its two global scales stored inverted
+# (`weight_global_scale` = 1 / weight_scale_2, `input_global_scale` = 1 / input_scale), as compressed-tensors'
+# own ModelOpt converter maps them
+NVFP4_NAMES = {**MODELOPT_NAMES, "data": "{m}.weight_packed", "scale2": "{m}.weight_global_scale",
+               "input_scale": "{m}.input_global_scale"}  # fmt: skip
 FORMATS = {"float-quantized": MODELOPT_NAMES, "int-quantized": MODELOPT_NAMES, "naive-quantized": MODELOPT_NAMES,
-           "pack-quantized": PACKED_NAMES}  # fmt: skip
+           "pack-quantized": PACKED_NAMES, "nvfp4-pack-quantized": NVFP4_NAMES}  # fmt: skip
+PACKED = {"pack-quantized": kInt4StaticGroup128Sym, "nvfp4-pack-quantized": kNvfp4Static}  # the one key each packs
+HOOKS = {"pack-quantized": ("int32_words",), "nvfp4-pack-quantized": ("inverse_global_scale",)}
 # (type, bits, strategy, block or group size, dynamic) of symmetric arguments -> key
 WEIGHT_KEYS = {
     ("float", 8, "tensor", None, False): kFp8StaticTensorSym,
@@ -44,24 +54,31 @@ WEIGHT_KEYS = {
     ("float", 8, "block", (128, 128), False): kFp8Static128BlockSym,
     ("int", 8, "channel", None, False): kInt8StaticChannelSym,
     ("int", 4, "group", 128, False): kInt4StaticGroup128Sym,  # pack-quantized
+    ("float", 4, "tensor_group", 16, False): kNvfp4Static,  # nvfp4-pack-quantized
 }
 ACTIVATION_KEYS = {
     ("float", 8, "tensor", None, False): kFp8StaticTensorSym,  # calibrated: the checkpoint's `input_scale`
     ("float", 8, "token", None, True): kFp8DynamicTokenSym,
     ("float", 8, "group", 128, True): kFp8Dynamic128Sym,
     ("int", 8, "token", None, True): kInt8DynamicTokenSym,
+    ("float", 4, "tensor_group", 16, "local"): kNvfp4CalibratedGlobal,  # group scales per call, calibrated global
 }
+EXTRA_ARGUMENTS = {kNvfp4Static: {"scale_dtype": "torch.float8_e4m3fn"},  # what its presets write beside them
+                   kNvfp4CalibratedGlobal: {"scale_dtype": "torch.float8_e4m3fn"}}  # fmt: skip
 
 
 def _describe(arguments: tuple) -> str:
     kind, bits, strategy, size, dynamic = arguments
-    return f"{bits}-bit {kind} {strategy}{f' {size}' if size else ''} {'dynamic' if dynamic else 'static'}"
+    when = {True: "dynamic", False: "static"}.get(dynamic, f"dynamic {dynamic!r}")
+    return f"{bits}-bit {kind} {strategy}{f' {size}' if size else ''} {when}"
 
 
 def _key(args: dict, table: dict, where: str) -> QuantKey:
     size = args.get("block_structure") or args.get("group_size")
     size = tuple(size) if isinstance(size, list) else size
-    found = (args.get("type"), args.get("num_bits"), args.get("strategy"), size, bool(args.get("dynamic")))
+    dynamic = args.get("dynamic")
+    dynamic = dynamic if isinstance(dynamic, str) else bool(dynamic)  # "local": per-group scales, a static global
+    found = (args.get("type"), args.get("num_bits"), args.get("strategy"), size, dynamic)
     problem = None
     if args.get("symmetric") is False:
         problem = "asymmetric (zero points)"
@@ -84,12 +101,18 @@ def group_algo(name: str, group: dict, default_format: str | None, where: str) -
     if group.get("output_activations"):
         raise ValueError(f"{where}: output_activations are not supported; quantpass quantizes weights and inputs")
     weight = _key(group.get("weights") or {}, WEIGHT_KEYS, f"{where} weights")
-    if (fmt == "pack-quantized") != (weight == kInt4StaticGroup128Sym):
-        raise ValueError(f"{where}: {weight} weights in format {fmt!r}: quantpass reads them packed only as 4-bit ints")
+    if (fmt in PACKED or weight in PACKED.values()) and PACKED.get(fmt) != weight:
+        packed = ", ".join(f"{key} as {name!r}" for name, key in PACKED.items())
+        raise ValueError(f"{where}: {weight} weights in format {fmt!r}; quantpass reads packed: {packed}")
     inputs = group.get("input_activations")
     activation = None if not inputs else _key(inputs, ACTIVATION_KEYS, f"{where} input_activations")
-    tensors = ("data", "scale", "input_scale") if needs_input_scale(activation) else ("data", "scale")
-    hooks = ("int32_words",) if fmt == "pack-quantized" else ()
+    tensors = (
+        "data",
+        "scale",
+        *("scale2",) * (weight.scale2 is not None),
+        *("input_scale",) * needs_input_scale(activation),
+    )
+    hooks = HOOKS.get(fmt, ())
     spec_name = QuantSpec(weight, activation).name()
     return Algo(f"{PRODUCER} {fmt} {spec_name}", weight, activation, tensors, FORMATS[fmt], hooks, producer=PRODUCER)
 
@@ -100,8 +123,9 @@ def _arguments(key: QuantKey, table: dict) -> dict | None:
     if found is None:
         return None
     kind, bits, strategy, size, dynamic = found
-    sizes = {"group_size": size} if strategy == "group" else {"block_structure": list(size)} if size else {}
-    return {"num_bits": bits, "type": kind, "symmetric": True, "strategy": strategy, **sizes, "dynamic": dynamic}
+    sizes = {"block_structure": list(size)} if strategy == "block" else {"group_size": size} if size else {}
+    return {"num_bits": bits, "type": kind, "symmetric": True, "strategy": strategy, **sizes, "dynamic": dynamic,
+            **EXTRA_ARGUMENTS.get(key, {})}  # fmt: skip
 
 
 def group_for(weight: QuantKey, activation: QuantKey | None) -> dict | None:
@@ -111,7 +135,7 @@ def group_for(weight: QuantKey, activation: QuantKey | None) -> dict | None:
     inputs = None if activation is None else _arguments(activation, ACTIVATION_KEYS)
     if weights is None or (activation is not None and inputs is None):
         return None
-    fmt = "pack-quantized" if weight == kInt4StaticGroup128Sym else f"{weights['type']}-quantized"
+    fmt = next((name for name, key in PACKED.items() if key == weight), f"{weights['type']}-quantized")
     return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": fmt}
 
 
@@ -125,7 +149,7 @@ def stored_shapes(weight: QuantKey, shape: torch.Size) -> dict[str, tuple[int, .
     """The scales' shapes compressed-tensors writes (and transformers' reader checks): every group
     dim kept (`[N, 1]` per channel), `[1]` for a whole tensor's."""
     whole = weight.group_shape.row == weight.group_shape.col == -1
-    return {"scale": (1,) if whole else scale_shape(weight, shape), "input_scale": (1,)}
+    return {"scale": (1,) if whole else scale_shape(weight, shape), "scale2": (1,), "input_scale": (1,)}
 
 
 def export_config(targets: dict[Algo, list[str]], ignore: list[str]) -> dict:
