@@ -170,3 +170,21 @@ def test_compressed_tensors_groups_are_written_as_its_presets_write_them(scheme,
         ours = {k: v for k, v in (group[role] or {}).items() if k != "observer"}
         assert ours == {k: v for k, v in preset.get(role, {}).items() if k != "observer"}, role
     assert ct.group_algo("g", group, None, "written") == row
+
+
+def test_cli_quantize_on_load_saves_int4_and_int8_as_compressed_tensors(tmp_path, capsys):
+    """README's `quantpass run --model DIR --quantize-on-load --quantization FMT --save OUT`, for formats
+    no ModelOpt algo stores: the saved directory loads back with every layer in that format."""
+    from quantpass.cli import main
+
+    tiny().save_pretrained(tmp_path / "bf16")
+    for fmt, keys in (("int4_weight_only", ("kInt4StaticGroup128Sym", "None")),
+                      ("int8_per_channel", ("kInt8StaticChannelSym", "kInt8DynamicTokenSym"))):  # fmt: skip
+        out = tmp_path / fmt
+        args = ["run", "--model", str(tmp_path / "bf16"), "--quantize-on-load", "--quantization", fmt, "--save"]
+        assert main([*args, str(out), "--lowering", "eager", "--new-tokens", "2", "--prompt-length", "8",
+                     "--rounds", "1"]) == 0  # fmt: skip
+        assert qp.checkpoints.detect(str(out)).producer == "compressed-tensors"
+        _, ran = run(qp.from_pretrained(out))
+        assert len(ran) == 7 and set(ran.values()) == {keys}, ran
+    capsys.readouterr()
