@@ -53,7 +53,7 @@ class ParamRecord:
     generation: int = 0
     released: bool = False
     canonical: dict[CanonicalKey, QTensor] = field(default_factory=dict)
-    source: str | None = None  # where the quantized value came from when not from this parameter's data
+    source: str | None = None  # where the value came from when not from this parameter's data (`note`: full precision)
     spec: object = None  # QuantSpec the value was declared with (a pre-quantized checkpoint's), else None
     activation: dict = field(default_factory=dict)  # CanonicalKey -> the activation key a graph ran it with
 

@@ -47,6 +47,6 @@ def modelopt_row(weight: QuantKey, has_input_scale: bool, where: str) -> Algo:
         return algo_for(weight, has_input_scale)
     except ValueError as error:
         raise ValueError(
-            f"{where}: {error}; neither transformers' fp8 (fp8_per_block) nor compressed-tensors (FP8 and INT8 "
-            "per tensor, channel or block, INT4 per 128, symmetric, with its schemes' activations) stores it as it runs"
+            f"{where}: {error}; neither transformers' fp8 (fp8_per_block) nor compressed-tensors (the weight and "
+            "activation formats of its FP8, INT8, W4A16 and NVFP4 schemes) stores it as it runs"
         ) from None

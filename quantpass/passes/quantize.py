@@ -155,7 +155,7 @@ def plan_sites(
             decided.append(left(f"{site.default_ignore}: left alone by default (name it in targets to quantize)"))
             continue
         if spec is None:
-            noted = (WEIGHTS.source(example_inputs[p.index]) for p in site.params)
+            noted = (WEIGHTS.source(example_inputs[p.index]) for p in site.params if declared is None)
             decided.append(left(next(filter(None, noted), why)))  # a checkpoint's unquantized layer says so
             continue
         activation = _value(site.input_nodes[0]) if site.input_nodes else None
