@@ -405,14 +405,23 @@ class BatchedExperts(nn.Module):
         return h.sum(0)
 
 
-def test_experts_no_pattern_claims_have_a_plan_row():
-    """They were missing from the plan, silently (Llama 4's experts)."""
-    m, backend = compiled(BatchedExperts().eval())
+def test_dense_bmm_experts_have_a_plan_row_and_quantize_one_by_one():
+    """Llama 4's experts were missing from the plan, silently, then left unquantized: a bmm on the 3-D
+    parameter itself is an experts region with no expert ids, its weight held quantized (moe slot)."""
+    model, x = BatchedExperts().eval(), torch.randn(3, 64)
+    m, backend = compiled(model)
     with torch.no_grad():
-        m(torch.randn(3, 64))
+        m(x)
     rows = {row.fqn: row for row in backend.plan.rows}
     assert rows["proj"].quantized and not rows["gate_up_proj"].quantized, sorted(rows)
-    assert "3-D weight of a batched matmul" in rows["gate_up_proj"].reason
+    assert rows["gate_up_proj"].reason == "no moe quantization configured"
+    m, backend = compiled(model, moe="int8_weight_only")
+    with torch.no_grad():
+        got, want = m(x), model(x)
+    (row,) = [row for row in backend.plan.rows if row.fqn == "gate_up_proj"]
+    assert row.quantized and "experts quantized one by one" in row.reason, row
+    assert "a bmm of every expert's weight with its own slice of an [E, T, H] batch" in row.reason, row
+    assert cosine(want, got) >= FLOOR["int8_weight_only"]
 
 
 def test_a_router_without_topk_is_found_by_the_layer_it_routes():

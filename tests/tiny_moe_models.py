@@ -88,6 +88,71 @@ CONFIGS = {
         num_experts_per_tok=2,
         sliding_window=8,
     ),
+    # Llama 4: a bmm of every expert's [E, H, 2I] weight with its slice of a dense [E, T, H] batch (routing
+    # scores scale the inputs); its own code, no `experts_implementation`
+    "llama4": lambda: transformers.Llama4TextConfig(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=64,
+        intermediate_size_mlp=128,
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=1,
+        interleave_moe_layer_step=1,
+    ),
+    "glm4_moe": lambda: transformers.Glm4MoeConfig(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        n_routed_experts=4,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        first_k_dense_replace=0,
+        n_group=1,
+        topk_group=1,
+    ),
+    "qwen3_next": lambda: transformers.Qwen3NextConfig(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        layer_types=["full_attention", "full_attention"],
+    ),
+    "hunyuan_v1_moe": lambda: transformers.HunYuanMoEV1Config(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_experts=4,
+        moe_topk=2,
+    ),
+    "minimax": lambda: transformers.MiniMaxConfig(
+        **COMMON,
+        head_dim=16,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        layer_types=["full_attention", "full_attention"],
+    ),
+    "lfm2_moe": lambda: transformers.Lfm2MoeConfig(
+        **COMMON,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_dense_layers=0,
+        layer_types=["full_attention", "full_attention"],
+    ),
 }
 
 
@@ -96,7 +161,8 @@ def tiny_moe(name: str, experts_implementation: str, dtype=torch.bfloat16, seed:
     for key, value in overrides.items():
         setattr(config, key, value)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation=experts_implementation)
+    implementation = {} if experts_implementation is None else {"experts_implementation": experts_implementation}
+    model = transformers.AutoModelForCausalLM.from_config(config, **implementation)
     return model.to(dtype).eval()
 
 

@@ -109,9 +109,8 @@ BATCHED_MATMULS = {torch.bmm, torch.matmul, operator.matmul, torch.baddbmm, torc
 
 
 def _unmatched_expert_weights(graph: fx.Graph, example_inputs, sites: list[Site]) -> list[PlanRow]:
-    """A row for each 3-D parameter a batched matmul reads (within a few view ops) that no site holds:
-    experts quantpass can't prove or split into per-expert GEMMs (Llama 4's: a bmm over every expert, no
-    top-k ids) were missing from the plan, silently."""
+    """A row for each 3-D parameter a batched matmul reads (within a few view ops) that no site holds
+    (say, a matmul rather than a bmm on it): such weights were missing from the plan, silently."""
     held = {ref.index for site in sites for ref in site.params}
     rows = []
     for node, ref in param_refs(graph, example_inputs).items():

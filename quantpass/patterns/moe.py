@@ -89,6 +89,10 @@ def find_moe_sites(graph: fx.Graph, example_inputs) -> MoEMatches:
     for ids, anchors in _anchor_groups(graph, params).items():
         fqn = _experts_fqn([params[a.weight].name for a in anchors])
         try:
+            if isinstance(ids, str):  # Llama 4's experts: routing weights scale the inputs, every expert runs
+                raise NotProven(
+                    "a bmm of every expert's weight with its own slice of an [E, T, H] batch: no expert ids"
+                )
             if ids is None:
                 raise NotProven("its expert ids don't come from a [T, k] integer tensor (top-k indices)")
             site = _site(graph, order, params, example_inputs, ids, anchors, fqn)
@@ -107,8 +111,12 @@ def find_moe_sites(graph: fx.Graph, example_inputs) -> MoEMatches:
     return matches
 
 
-def _anchor_groups(graph, params) -> dict[fx.Node | None, list[ExpertMatmul]]:
-    """Matmuls with a 3-D parameter operand, by the [T, k] expert ids they are routed by."""
+DENSE = "dense"  # the route of a bmm on the 3-D parameter itself (no gather by expert ids)
+
+
+def _anchor_groups(graph, params) -> dict[fx.Node | str | None, list[ExpertMatmul]]:
+    """Matmuls with a 3-D parameter operand, by the [T, k] expert ids they are routed by; a bmm on the
+    parameter itself (every expert on its own slice of the batch) by its module, as "dense <module>"."""
     groups: dict[fx.Node | None, list[ExpertMatmul]] = {}
     for node in graph.nodes:
         name = op_name(node)
@@ -121,18 +129,22 @@ def _anchor_groups(graph, params) -> dict[fx.Node | None, list[ExpertMatmul]]:
         elif name in ("bmm", "einsum"):
             operands = list(node.args[:2] if name == "bmm" else node.args[1:])
             for i, operand in enumerate(operands):
+                others = operands[:i] + operands[i + 1 :]
+                other = others[0] if len(others) == 1 else None
+                transposed = i == 1 if name == "bmm" else _einsum_transposed(node.args[0], i)
                 if (
                     isinstance(operand, fx.Node)
                     and op_name(operand) == "getitem"
                     and isinstance(operand.args[1], fx.Node)
                 ):
-                    others = operands[:i] + operands[i + 1 :]
-                    transposed = i == 1 if name == "bmm" else _einsum_transposed(node.args[0], i)
-                    found = (operand.args[0], others[0] if len(others) == 1 else None, operand.args[1], transposed)
+                    found = (operand.args[0], other, operand.args[1], transposed)
+                elif name == "bmm" and operand in params:  # every expert on its slice of an [E, T, in] batch
+                    found = (operand, other, DENSE, transposed)
         if found is None or found[0] not in params or len(shape(found[0])) != 3 or found[1] is None:
             continue
         weight, source, route, transposed = found
-        groups.setdefault(ids_root(route), []).append(ExpertMatmul(node, weight, source, transposed))
+        key = f"{DENSE} {params[weight].name.rpartition('.')[0]}" if route is DENSE else ids_root(route)
+        groups.setdefault(key, []).append(ExpertMatmul(node, weight, source, transposed))
     return groups
 
 

@@ -97,7 +97,7 @@ def _hf(model_class, config_class, **config):
     return build
 
 
-def _moe(name: str, experts: str, dtype) -> Callable[[], nn.Module]:
+def _moe(name: str, experts: str | None, dtype) -> Callable[[], nn.Module]:
     """A tiny MoE causal LM whose router weights are scaled by ROUTER_SCALE.
 
     With std-0.1 routers many tokens' top-k choices are near ties, and rounding alone flips them:
@@ -109,7 +109,8 @@ def _moe(name: str, experts: str, dtype) -> Callable[[], nn.Module]:
     def build():
         torch.manual_seed(0)
         config = MOE_CONFIGS[name]() if name in MOE_CONFIGS else _granite_moe_config()
-        model = tf.AutoModelForCausalLM.from_config(config, experts_implementation=experts)
+        implementation = {} if experts is None else {"experts_implementation": experts}  # None: the model's own
+        model = tf.AutoModelForCausalLM.from_config(config, **implementation)
         with torch.no_grad():
             for pname, param in model.named_parameters():
                 if pname.endswith(("mlp.gate.weight", "router.weight")):
@@ -428,6 +429,12 @@ ARCHS = [
     Arch("deepseek_v3", "moe", _moe("deepseek_v3", "grouped_mm", torch.bfloat16), ids, moe=True),
     Arch("gpt_oss", "moe", _moe("gpt_oss", "batched_mm", torch.float32), ids, moe=True),
     Arch("granitemoe", "moe", _moe("granitemoe", "grouped_mm", torch.bfloat16), ids, moe=True),
+    Arch("llama4", "moe", _moe("llama4", None, torch.float32), ids, moe=True),
+    Arch("glm4_moe", "moe", _moe("glm4_moe", "grouped_mm", torch.bfloat16), ids, moe=True),
+    Arch("qwen3_next", "moe", _moe("qwen3_next", "batched_mm", torch.float32), ids, moe=True),
+    Arch("hunyuan_v1_moe", "moe", _moe("hunyuan_v1_moe", "grouped_mm", torch.bfloat16), ids, moe=True),
+    Arch("minimax", "moe", _moe("minimax", "batched_mm", torch.float32), ids, moe=True),
+    Arch("lfm2_moe", "moe", _moe("lfm2_moe", "grouped_mm", torch.bfloat16), ids, moe=True),
     # ---- plain torch ----
     Arch("sequential_mlp", "torch", _torch(SequentialMLP), activations()),
     Arch("deep_mlp", "torch", _torch(DeepMLP), activations()),
