@@ -41,7 +41,8 @@ formats rotate), `make test-zoo` every cell; both check each cell they run again
   quantized. *Eligible* leaves out the layers quantpass's defaults leave alone: the output head, a
   weight tied to an embedding, MoE routers. A cell needs >= {coverage:.0%} of its eligible layers
   quantized.
-- **MoE sites**: fused MoE sites quantized / found.
+- **MoE sites**: experts regions quantized / found (a fused MoE op, or, where the region is not a provable
+  fused MoE such as Llama 4's dense bmm, its weights held quantized under the graph's own GEMMs).
 - **cosine**: of the model's output to eager's (logits or last hidden state; CLIP: both embeddings).
   A cell needs at least the floor of its format (dense / MoE models; MoE floors are lower because a
   quantized layer upstream of a router flips near-tied top-k choices): {floors}.
