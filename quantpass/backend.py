@@ -245,6 +245,13 @@ def experts_warning(model) -> str | None:
         return None
     if not any(name.endswith("experts") for name, _ in model.named_modules()):
         return None
+    can_switch = getattr(type(model), "_can_set_experts_implementation", None)
+    if can_switch is not None and not can_switch():  # its own expert loop (DBRX, Switch, NLLB-MoE, JetMoE)
+        return (
+            f"{type(model).__name__} runs its experts in a loop of its own, with no grouped_mm or batched_mm "
+            "implementation to switch to: Dynamo breaks the graph there, so quantpass never sees the expert "
+            "weights and they stay unquantized"
+        )
     return (
         f"{type(model).__name__} uses transformers' 'eager' experts implementation: Dynamo breaks the graph "
         "in its expert loop, so quantpass never sees the expert weights; call "

@@ -13,6 +13,7 @@ from tiny_models import token_ids
 from tiny_moe_models import eager_and_compiled_logits, moe_op_count, tiny_moe
 
 import quantpass as qp
+from quantpass.backend import experts_warning
 from quantpass.kernels import cpu_fp8
 from quantpass.kernels.oracle import MOE_CANDIDATES
 from quantpass.metrics import cosine
@@ -90,3 +91,20 @@ def test_eager_experts_implementation_is_called_out(caplog):
     plan = qp.explain(model, token_ids(length=5), moe="mxfp8")
     assert not [row for row in plan.rows if row.kind == "moe"]  # the experts never reach a graph
     assert any("set_experts_implementation('grouped_mm')" in r.message for r in caplog.records)
+
+
+def test_an_expert_loop_with_nothing_to_switch_to_is_called_out_as_such():
+    """Switch Transformers loops over its experts in its own code: set_experts_implementation raises
+    there, so the warning must not suggest it."""
+    import transformers
+
+    config = transformers.SwitchTransformersConfig(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+        num_experts=4, expert_capacity=64, encoder_sparse_step=1, decoder_sparse_step=1,
+        relative_attention_num_buckets=8, decoder_start_token_id=0,
+    )  # fmt: skip
+    model = transformers.SwitchTransformersForConditionalGeneration(config).eval()
+    with pytest.raises(ValueError, match="does not support setting experts implementation"):
+        model.set_experts_implementation("grouped_mm")
+    warning = experts_warning(model)
+    assert "runs its experts in a loop of its own" in warning and "set_experts_implementation" not in warning
