@@ -138,7 +138,8 @@ def _int32_words(role: str, tensor: torch.Tensor, want) -> torch.Tensor | None:
 
 def _inverse_global_scale(role: str, tensor: torch.Tensor, want) -> torch.Tensor:
     """compressed-tensors' NVFP4: the global scales it stores are the reciprocals of ModelOpt's (the
-    weight's and the input's dequantization multipliers), taken in float64 and rounded once."""
+    weight's and the input's dequantization multipliers), taken in float64 and rounded once; its own
+    inverse, so writing one back (`convert.from_qtensor`) calls it too."""
     return (1 / tensor.double()).float() if role in ("scale2", "input_scale") else tensor
 
 

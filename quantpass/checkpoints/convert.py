@@ -117,8 +117,8 @@ def from_qtensor(algo: Algo, qt: QTensor, shapes: dict | None = None, dtypes: di
         out["data"] = out["data"].unflatten(-1, (-1, key.group_shape.col // 2))
     if "e8m0_scale" in algo.hooks:  # power-of-two scales: exact as e8m0 bytes again
         out["scale"] = out["scale"].to(torch.float8_e8m0fnu)
-    if "inverse_global_scale" in algo.hooks:  # stored as reciprocals
-        out.update({role: (1 / out[role].double()).float() for role in ("scale2", "input_scale") if role in out})
+    if "inverse_global_scale" in algo.hooks:  # stored as reciprocals: the read hook is its own inverse
+        out = {role: HOOKS["inverse_global_scale"](role, tensor, None) for role, tensor in out.items()}
     if "int32_words" in algo.hooks:  # the bytes as int32 words (a partial last word zero-padded), and the shape
         out["data"] = F.pad(out["data"], (0, -out["data"].shape[-1] % 4)).view(torch.int32)
         out["shape"] = torch.tensor(shape[-2:])

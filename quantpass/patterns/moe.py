@@ -117,7 +117,7 @@ DENSE = "dense"  # the route of a bmm on the 3-D parameter itself (no gather by 
 def _anchor_groups(graph, params) -> dict[fx.Node | str | None, list[ExpertMatmul]]:
     """Matmuls with a 3-D parameter operand, by the [T, k] expert ids they are routed by; a bmm on the
     parameter itself (every expert on its own slice of the batch) by its module, as "dense <module>"."""
-    groups: dict[fx.Node | None, list[ExpertMatmul]] = {}
+    groups: dict[fx.Node | str | None, list[ExpertMatmul]] = {}
     for node in graph.nodes:
         name = op_name(node)
         found = None
