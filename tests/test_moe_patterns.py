@@ -99,11 +99,14 @@ def capture_model(model, **kwargs):
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{str(c[2])[6:]}")
 def test_transformers_moe(case):
     """One capture per case (each costs ~2 s): the sites found, their regions, the rewrite."""
-    name, implementation, dtype = case
-    model = tiny_moe(name, implementation, dtype)
+    check_model(*case)
+
+
+def check_model(name, implementation, dtype, topk=2):
+    model = tiny_moe(name, implementation, dtype, num_experts_per_tok=topk)
     gm, example_inputs = capture_model(model)
     matches = find_moe_sites(gm.graph, example_inputs)
-    check_sites(name, matches)
+    check_sites(name, matches, topk)
     for site in matches.sites:
         check_region(model, site, [example_inputs[p.index] for p in site.params])
     similarity, ops = logits_cosine(gm, example_inputs)
@@ -112,7 +115,7 @@ def test_transformers_moe(case):
     assert similarity >= 0.99, f"{name}: logits cosine {similarity:.4f} after an 8-bit MoE rewrite"
 
 
-def check_sites(name, matches):
+def check_sites(name, matches, topk=2):
     layers, experts, activation, layout, transposed, biases = EXPECTED[name]
     assert [s.fqn for s in matches.sites] == [f"model.layers.{i}.mlp.experts" for i in layers]
     assert matches.unproven == [] and matches.expert_linears == {} and matches.expert_gemms == []
@@ -123,7 +126,7 @@ def check_sites(name, matches):
         assert (site.b13 is not None, site.b2 is not None) == (biases, biases)
         if activation == "swigluoai":
             assert (site.alpha, site.limit) == (pytest.approx(1.702), 7.0)
-        assert (site.problem.experts, site.problem.topk, site.problem.k, site.tokens) == (experts, 2, 64, 16)
+        assert (site.problem.experts, site.problem.topk, site.problem.k, site.tokens) == (experts, topk, 64, 16)
     claimed_linears = [n for n in matches.claimed if "linear" in str(n.target)]
     assert claimed_linears == [], "routers, shared experts and dense MLPs must stay linear sites"
 
@@ -145,6 +148,13 @@ def check_region(model, site, values):
         site, [hidden, topk_weights, topk_ids], quantized, SPEC, "reference", "cpu"
     )
     assert sqnr(expected, result) > 25.0, site.fqn  # INT8 W8A8 experts measure ~35-40 dB
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[-1], CASES[len(EXPECTED) + 2]], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_top1_routing(case):
+    """k = 1: the gathered [T*k, 1] router column looks like [T, k]; the region is still proven from
+    the [T, k] router weights, with the same rewrite and accuracy as at k = 2."""
+    check_model(*case, topk=1)
 
 
 def test_a_wrong_layout_is_visible_in_the_logits():

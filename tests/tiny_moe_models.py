@@ -153,6 +153,16 @@ CONFIGS = {
         num_dense_layers=0,
         layer_types=["full_attention", "full_attention"],
     ),
+    "zaya": lambda: transformers.ZayaConfig(  # top-1 routing: each token goes to one expert
+        **COMMON,
+        head_dim=16,
+        num_hidden_layers=2,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=1,
+        router_hidden_size=32,
+        layer_types=["hybrid", "hybrid"],
+    ),
 }
 
 

@@ -153,15 +153,32 @@ ROUTER_PASSTHROUGH = {"unsqueeze", "reshape", "view", "flatten", "getitem", "to"
 
 
 def router_root(node: fx.Node, tokens, topk: int) -> fx.Node | None:
-    """Walk back from a multiplier through views and row gathers to the [T, k] float tensor it comes from."""
+    """Walk back from a multiplier through views and row gathers to the [T, k] float tensor it comes from.
+
+    At k = 1 a column view of the flat, gathered [T*k] weights also looks like [T, k]: it is passed
+    over for the [T, k] tensor further back, and taken only if there is none."""
+    column = None
     for _ in range(8):
         dims = shape(node)
         if dims is not None and len(dims) == 2 and same(dims[0], tokens) and same(dims[1], topk):
-            return node if value(node).is_floating_point() else None
+            if not value(node).is_floating_point():
+                return column
+            if not (topk == 1 and _column_of_flat(node)):
+                return node
+            column = column or node
         if op_name(node) not in ROUTER_PASSTHROUGH or not isinstance(node.args[0], fx.Node):
-            return None
+            return column
         node = node.args[0]
-    return None
+    return column
+
+
+def _column_of_flat(node: fx.Node) -> bool:
+    source = node.args[0] if node.args else None
+    return (
+        op_name(node) in ("unsqueeze", "view", "reshape")
+        and isinstance(source, fx.Node)
+        and len(shape(source) or ()) == 1
+    )
 
 
 ROW_GATHERS = {"getitem", "repeat_interleave"}

@@ -435,6 +435,7 @@ ARCHS = [
     Arch("hunyuan_v1_moe", "moe", _moe("hunyuan_v1_moe", "grouped_mm", torch.bfloat16), ids, moe=True),
     Arch("minimax", "moe", _moe("minimax", "batched_mm", torch.float32), ids, moe=True),
     Arch("lfm2_moe", "moe", _moe("lfm2_moe", "grouped_mm", torch.bfloat16), ids, moe=True),
+    Arch("zaya", "moe", _moe("zaya", "grouped_mm", torch.bfloat16), ids, moe=True),
     # ---- plain torch ----
     Arch("sequential_mlp", "torch", _torch(SequentialMLP), activations()),
     Arch("deep_mlp", "torch", _torch(DeepMLP), activations()),
