@@ -30,6 +30,7 @@ class MoEActivation(StrEnum):
     GELU = "gelu"
     GELU_TANH = "gelu_tanh"
     SWIGLUOAI = "swigluoai"  # GPT-OSS: clamped, (up + 1) * gate * sigmoid(alpha * gate)
+    SILU_CLAMPED = "silu_clamped"  # DeepSeek-V4: silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
 
 
 class GateUpLayout(StrEnum):
@@ -53,7 +54,8 @@ def check_gated(activation: str, gate_up_layout: str) -> None:
 
 @dataclass(frozen=True)
 class GatedActivation:
-    """[T, 2I] gate/up projections -> [T, I]. `alpha` and `limit` are `swigluoai`'s (others ignore them)."""
+    """[T, 2I] gate/up projections -> [T, I]. `alpha` is `swigluoai`'s, `limit` its and `silu_clamped`'s
+    (the others ignore them)."""
 
     activation: MoEActivation | str
     gate_up_layout: GateUpLayout | str
@@ -74,8 +76,10 @@ class GatedActivation:
             return F.gelu(gate) * up
         if self.activation == MoEActivation.GELU_TANH:
             return F.gelu(gate, approximate="tanh") * up
-        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)  # swigluoai
-        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        gate, up = gate.clamp(max=self.limit), up.clamp(-self.limit, self.limit)
+        if self.activation == MoEActivation.SILU_CLAMPED:
+            return F.silu(gate) * up
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))  # swigluoai
 
 
 def gated_activation(h: torch.Tensor, activation: str, gate_up_layout: str, alpha: float, limit: float) -> torch.Tensor:

@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+import torch.nn.functional as F
 from tiny_models import Block, tiny_llama, token_ids
 
 import quantpass as qp
@@ -217,17 +218,20 @@ def test_tied_head_router_and_non_parameter_weights_are_reported():
             self.head.weight = self.embed.weight
             self.router = torch.nn.Linear(16, 4, bias=False)
             self.register_buffer("frozen", torch.randn(8, 16))
+            self.mix = torch.nn.Parameter(torch.randn(8, 16).bfloat16())
 
         def forward(self, ids):
             h = self.embed(ids)
             top = torch.topk(self.router(h).softmax(-1), 2).values
-            return self.head(h), top, h @ self.frozen.t()
+            mixed = F.linear(h, self.mix.float())  # DeepSeek-V4's hyper-connections: a parameter cast first
+            return self.head(h), top, h @ self.frozen.t(), mixed
 
     plan = qp.explain(Model(), torch.randint(0, 32, (2, 5)), linear="fp8_per_channel")
     reasons = {row.fqn: row.reason for row in plan.rows}
     assert "tied to an embedding" in reasons["head"]
     assert "MoE router" in reasons["router"]
     assert any("not a parameter" in r for r in reasons.values())
+    assert "weight is mix cast to torch.float32 in the graph" in " ".join(reasons.values())
     assert plan.quantized() == []
 
 

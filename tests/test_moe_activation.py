@@ -32,6 +32,14 @@ def swigluoai(h, up_limit=7.0):
     return (up + 1) * glu
 
 
+def silu_clamped(h, gate_limit=10.0):
+    """DeepSeek-V4's `_apply_gate`, as transformers writes it."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = gate.clamp(max=gate_limit)
+    up = up.clamp(min=-10.0, max=10.0)
+    return F.silu(gate) * up
+
+
 def gelu_new(x):  # transformers' NewGELUActivation
     return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
 
@@ -66,6 +74,7 @@ RECOGNISED = {
     ),
     "gelu_new formula": (lambda h: gelu_new(halves(h)[0]) * halves(h)[1], MatchedActivation("gelu_tanh", "concat")),
     "swigluoai": (swigluoai, MatchedActivation("swigluoai", "interleaved", 1.702, 7.0)),
+    "silu clamped": (silu_clamped, MatchedActivation("silu_clamped", "concat", limit=10.0)),
 }
 REFUSED = {
     "clamp(max=50)": (lambda h: F.silu(halves(h)[0].clamp(max=50)) * halves(h)[1], "computes mul(clamp("),
@@ -74,6 +83,8 @@ REFUSED = {
     "relu": (lambda h: F.relu(halves(h)[0]) * halves(h)[1], "relu(...) is not an op"),
     "gate times itself": (lambda h: F.silu(halves(h)[0]) * halves(h)[0], "which is none of"),
     "swigluoai, another up limit": (lambda h: swigluoai(h, up_limit=5.0), "which is none of"),
+    "silu clamped, another gate limit": (lambda h: silu_clamped(h, gate_limit=5.0), "which is none of"),
+    "silu, only the up half clamped": (lambda h: F.silu(halves(h)[0]) * halves(h)[1].clamp(-5, 5), "which is none of"),
     "int cast": (lambda h: F.silu(halves(h)[0].int().float()) * halves(h)[1], "int(...) is not an op"),
     "written in place": (scaled_in_place, "written in place"),
 }

@@ -15,7 +15,8 @@ from quantpass.quant_registry.names import Kind
 
 
 def test_names_are_their_strings():
-    assert ACTIVATIONS == ("silu", "gelu", "gelu_tanh", "swigluoai") and GATE_UP_LAYOUTS == ("concat", "interleaved")
+    assert ACTIVATIONS == ("silu", "gelu", "gelu_tanh", "swigluoai", "silu_clamped")
+    assert GATE_UP_LAYOUTS == ("concat", "interleaved")
     assert KINDS == ("linear", "moe") and Kind.MOE == "moe" and f"{Kind.LINEAR}" == "linear"
     assert json.dumps({Kind.MOE: [MoEActivation.SILU, GateUpLayout.INTERLEAVED]}) == '{"moe": ["silu", "interleaved"]}'
     assert {"moe": 1}[Kind.MOE] == 1 and str(MoEActivation.GELU_TANH) == "gelu_tanh"
@@ -40,6 +41,8 @@ def test_gated_activation_math():
     clamped = GatedActivation("swigluoai", "concat", 1.0, 0.5)(concat)
     g = gate.clamp(max=0.5)
     assert torch.allclose(clamped, (up.clamp(-0.5, 0.5) + 1) * g * torch.sigmoid(g))
+    clamped = GatedActivation("silu_clamped", "concat", limit=0.5)(concat)
+    assert torch.allclose(clamped, torch.nn.functional.silu(g) * up.clamp(-0.5, 0.5))
 
 
 def _op_args(tokens=5, experts=4, top_k=2, hidden=64, inter=32, activation="swigluoai", layout="interleaved"):

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..problem import Problem
 from ..quant_registry.names import Kind
-from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument, reaches
+from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument, is_cast, reaches
 from .site import ParamRef, Site, param_refs
 
 MATMUL_TARGETS = {operator.matmul, torch.matmul}
@@ -121,6 +121,8 @@ def find_linear_sites(
         if ref is None:
             fqn = _module_fqn(node, node.name)
             reason = "weight is not a parameter (computed in the graph or a buffer)"
+            if is_cast(weight) and (source := params.get(weight.args[0])) is not None:  # DeepSeek-V4's mixing
+                reason = f"weight is {source.name} cast to {value.dtype} in the graph: left as the model computes it"
             if _feeds_topk(node, routing=routing):  # DeepSeek-V2's: F.linear(x.float(), w.float())
                 reason = "MoE router: its outputs pick experts: left alone by default; its weight is cast in the graph"
             sites.append(LinearSite(fqn, [], Problem(int(n), int(k)), reason, node=node, x=x, bias=bias))

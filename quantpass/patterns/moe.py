@@ -57,7 +57,7 @@ class MoESite(Site):
     gate_up_layout: str = "concat"
     apply_router_weight_on_input: bool = False
     alpha: float = 0.0  # swigluoai only
-    limit: float = 0.0
+    limit: float = 0.0  # swigluoai and silu_clamped
     form: str = ""  # grouped_mm | batched_mm | einsum
     tokens: int | None = None  # T of a static capture (None: dynamic)
     region: set[fx.Node] = field(default_factory=set, repr=False)
@@ -256,6 +256,8 @@ def _describe(site: MoESite) -> str:
     details = [f"{site.form} experts", f"{site.activation} ({site.gate_up_layout} gate/up)"]
     if site.activation == "swigluoai":
         details[-1] += f" alpha={site.alpha:g} limit={site.limit:g}"
+    elif site.activation == "silu_clamped":
+        details[-1] += f" limit={site.limit:g}"
     if site.b13 is not None or site.b2 is not None:
         details.append("biases fused")
     if site.apply_router_weight_on_input:

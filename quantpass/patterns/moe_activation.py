@@ -44,6 +44,9 @@ BINARY = {
 }
 
 
+CLAMPED = ("swigluoai", "silu_clamped")  # activations with a limit read from the graph's clamps
+
+
 class NotAnActivation(ValueError):
     """The nodes are not one of the supported gated activations; the message says why."""
 
@@ -56,7 +59,7 @@ class MatchedActivation:
     activation: str  # moe_problem.ACTIVATIONS
     gate_up_layout: str  # "concat" | "interleaved"
     alpha: float = 0.0  # swigluoai only
-    limit: float = 0.0
+    limit: float = 0.0  # swigluoai and silu_clamped
     gate_input: int = 0  # with separate gate and up projections: which input is the gate
 
 
@@ -64,8 +67,8 @@ def identify_activation(nodes: list[fx.Node], inputs: list[fx.Node], output: fx.
     """Which gated activation `nodes` (in graph order) compute from the up projection(s) `inputs`.
 
     One input `[.., 2I]` (fused gate/up) or two `[.., I]` (separate gate and up projections).
-    GPT-OSS's alpha and limit are read from the graph's constants (`gate * alpha`, `clamp(max=limit)`)
-    and must then appear exactly where the reference puts them. Raises NotAnActivation.
+    GPT-OSS's alpha and limit and DeepSeek-V4's limit are read from the graph's constants (`gate * alpha`,
+    `clamp(max=limit)`) and must then appear exactly where the reference puts them. Raises NotAnActivation.
     """
     env: dict[fx.Node, Term] = {node: ("input", i) for i, node in enumerate(inputs)}
     inside = set(nodes)
@@ -97,10 +100,11 @@ def _candidates(nodes, layouts):
             limits |= {abs(float(b)) for b in bounds if isinstance(b, int | float)}
     for layout in layouts:
         for activation in ACTIVATIONS:
-            if activation != "swigluoai":
+            if activation not in CLAMPED:
                 yield MatchedActivation(activation, layout)
-        for alpha in sorted(alphas):
-            for limit in sorted(limits):
+        for limit in sorted(limits):
+            yield MatchedActivation("silu_clamped", layout, limit=limit)
+            for alpha in sorted(alphas):
                 yield MatchedActivation("swigluoai", layout, alpha, limit)
 
 

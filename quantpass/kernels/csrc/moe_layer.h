@@ -30,7 +30,7 @@ typedef void (*expert_rows)(const void *weights, const float *x, int64_t R, int6
   hidden, htype, T, H, ids, k, map, map_bytes, map_len, router, rtype, on_input, E, I, b13, b2, btype, act, layout, \
       alpha, limit, out, threads, most
 
-enum { SILU = 0, GELU = 1, GELU_TANH = 2, SWIGLUOAI = 3 }; /* moe_problem.MoEActivation, in its order */
+enum { SILU = 0, GELU = 1, GELU_TANH = 2, SWIGLUOAI = 3, SILU_CLAMPED = 4 }; /* moe_problem.MoEActivation, in its order */
 static __thread uint8_t *kept_moe; /* moe_layer's scratch, held across its kernel calls (which use `kept`) */
 
 /* f as a `type` element holds it (rounded to nearest even), back in fp32 */
@@ -76,20 +76,24 @@ static void exp_inplace(float *e, int64_t n) {
 
 /* moe_problem.GatedActivation over one row's I (gate, up) pairs of h into a [I] fp32, rounded to `type`,
  * in torch's order of operations (exp, erf and tanh may differ from torch's vectorized ones in the last
- * bit). SiLU and SwiGLU-OAI first write their exp arguments into a, then exp them 8 at a time. */
+ * bit). SiLU (clamped or not) and SwiGLU-OAI first write their exp arguments into a, then exp them 8 at a time. */
 static void gated_row(const float *h, int64_t I, int layout, int act, float alpha, float limit, int type, float *a) {
 #define GATE(n) (layout ? h[2 * (n)] : h[(n)])
 #define UP(n) (layout ? h[2 * (n) + 1] : h[I + (n)])
-  if (act == SILU || act == SWIGLUOAI) {
+  if (act == SILU || act == SWIGLUOAI || act == SILU_CLAMPED) {
     for (int64_t n = 0; n < I; n++) {
-      const float g = GATE(n);
-      a[n] = act == SILU ? -g : -((g > limit ? limit : g) * alpha); /* NaN stays NaN, as torch's clamp */
+      const float g = act == SILU ? GATE(n) : GATE(n) > limit ? limit : GATE(n); /* NaN stays NaN, as torch's clamp */
+      a[n] = act == SWIGLUOAI ? -(g * alpha) : -g;
     }
     exp_inplace(a, I);
   }
   for (int64_t n = 0; n < I; n++) {
     float g = GATE(n), u = UP(n), v;
     if (act == SILU) {
+      v = g / (1.0f + a[n]) * u;
+    } else if (act == SILU_CLAMPED) {
+      g = g > limit ? limit : g;
+      u = u < -limit ? -limit : u > limit ? limit : u;
       v = g / (1.0f + a[n]) * u;
     } else if (act == SWIGLUOAI) {
       g = g > limit ? limit : g;

@@ -231,6 +231,10 @@ def _gated_activation(gate, up, ACTIVATION: tl.constexpr, alpha, limit):
         out = 0.5 * gate * (1.0 + tl.math.erf(gate * 0.7071067811865476)) * up
     elif ACTIVATION == "gelu_tanh":  # 0.5 * (1 + tanh(u)) == sigmoid(2u), u = sqrt(2/pi) * (g + 0.044715 g^3)
         out = gate * tl.sigmoid(1.5957691216057308 * (gate + 0.044715 * gate * gate * gate)) * up
+    elif ACTIVATION == "silu_clamped":  # DeepSeek-V4: silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+        gate = tl.minimum(gate, limit)
+        up = tl.minimum(tl.maximum(up, -limit), limit)
+        out = gate * tl.sigmoid(gate) * up
     else:  # swigluoai (GPT-OSS): clamped, (up + 1) * gate * sigmoid(alpha * gate)
         gate = tl.minimum(gate, limit)
         up = tl.minimum(tl.maximum(up, -limit), limit)

@@ -4,7 +4,7 @@
       epilogue) --> [T*k, I] --quantize--> routed GEMM2 (w2 [E, H, I], + b2, x router weight)
       --> [T*k, H] --sum over top-k--> [T, H]
 
-The gated activation (silu / gelu / gelu_tanh / swigluoai; gate and up "concat" or "interleaved")
+The gated activation (silu / gelu / gelu_tanh / swigluoai / silu_clamped; gate and up "concat" or "interleaved")
 runs on GEMM1's fp32 accumulators: each program loads the gate rows and the matching up rows of
 w13, so the [T*k, 2I] projections are never written (half the bytes; and the activation sees fp32,
 as in the reference, before the one cast to the hidden dtype).
