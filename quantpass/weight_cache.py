@@ -30,8 +30,9 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch._C._dynamo.eval_frame import get_eval_frame_callback
 from torch._dynamo.comptime import comptime
-from torch._dynamo.eval_frame import OptimizedModule, innermost_backend
+from torch._dynamo.eval_frame import OptimizedModule, innermost_backend, skip_code
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch.compiler import is_compiling
 
@@ -337,6 +338,10 @@ def _restore_before_eager_use(module, args):
     if is_compiling():
         comptime(_restore_before_another_backend)  # at trace time only: nothing in the graph
         return
+    compiling = get_eval_frame_callback()
+    if compiling and not isinstance(module, OptimizedModule):
+        _before_a_compiled_forward(module, compiling)
+        return
     if _CHECKED.get(module) == WEIGHTS.release_epoch:  # nothing released since its last eager call
         return
     _CHECKED[module] = WEIGHTS.release_epoch
@@ -348,6 +353,22 @@ def _restore_before_eager_use(module, args):
         _restore_released(module._orig_mod.parameters(), module, f"compiled with backend {_backend_name(backend)}")
     else:
         _restore_released(_own_weights(module), module, "runs outside the compiled model")
+
+
+# Dynamo would otherwise compile the hook as a frame of its own wherever eager code calls a module under
+# torch.compile (between the graphs of a model with graph breaks), once per module class, up to its
+# recompile limit (8) and then with a warning naming this function. Traced inside a module call, it is
+# still inlined (the `is_compiling` branch).
+skip_code(_restore_before_eager_use.__code__)
+
+
+@torch._dynamo.disable  # what it calls must not become frames Dynamo compiles
+def _before_a_compiled_forward(module: torch.nn.Module, callback) -> None:
+    """The module is called from the eager code between the graphs of a compiled function or model:
+    its forward is compiled next, by that torch.compile's backend."""
+    backend = _given_backend(callback)
+    if not _is_quantpass(backend):
+        _restore_released(_own_weights(module), module, f"traced for backend {_backend_name(backend)}")
 
 
 def _restore_before_another_backend(ctx) -> None:

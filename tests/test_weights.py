@@ -199,6 +199,53 @@ def test_a_function_compiled_with_another_backend_restores_what_it_traces(other,
     assert any(f"traced for backend {other}, but quantpass released" in r.message for r in caplog.records)
 
 
+def _breaking_forward(self, x):
+    torch._dynamo.graph_break()
+    return torch.nn.functional.linear(x, self.weight).relu()
+
+
+def graph_breaking_blocks(count: int) -> nn.Sequential:
+    """`count` module classes, each its own forward code (Dynamo caches per code object), each
+    breaking the graph: every block is called from eager code between graphs."""
+    blocks = []
+    for i in range(count):
+        forward = type(_breaking_forward)(_breaking_forward.__code__.replace(co_name=f"forward_{i}"), globals())
+        cls = type(f"Breaking{i}", (nn.Module,), {"forward": forward})
+        block = cls()
+        block.weight = nn.Parameter(torch.randn(32, 32) / 32**0.5)  # its own: it reads it, not a child
+        blocks.append(block)
+    return nn.Sequential(*blocks).eval()
+
+
+@pytest.mark.parametrize("other", [None, "aot_eager"])
+def test_graph_breaks_in_many_module_classes(other, caplog):
+    """The eager guard runs for each module called between graphs. Dynamo compiled it as a frame of its
+    own there, once per module class: past 8 classes it warned that `_restore_before_eager_use` hit
+    the recompile limit and ran it eagerly. It is never a frame of its own now; the forward it precedes
+    is compiled by the backend of that torch.compile, so quantpass's keeps its weights released and
+    another backend's gets them back first."""
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from quantpass.weight_cache import _restore_before_eager_use
+
+    torch.manual_seed(0)
+    model, x = graph_breaking_blocks(12), torch.randn(4, 32)
+    with torch.no_grad():
+        expected = model(x)
+    compiled, _, out = compile_once(model, x, linear="int8_weight_only")
+    with torch.no_grad():
+        again = compiled(x)
+    assert _debug_get_cache_entry_list(_restore_before_eager_use.__code__) == []
+    assert all(released(model).values())
+    assert cosine(expected, out) > 0.999 and torch.equal(out, again)
+    if other is not None:
+        caplog.set_level("DEBUG", logger="quantpass")
+        with torch.no_grad():
+            plain = torch.compile(lambda inputs: model(inputs), backend=other)(x)  # each block: from eager code
+        assert cosine(expected, plain) > 0.999 and not any(released(model).values())  # dequantized INT8
+        assert any(f"Breaking11 traced for backend {other}, but quantpass" in r.message for r in caplog.records)
+
+
 @pytest.mark.parametrize("how", ["name", "name and options", "backend object"])
 def test_quantpass_compiled_wrappers_keep_weights_released(how):
     """The wrapper check must recognise every way of compiling with quantpass, or every quantpass
