@@ -98,13 +98,32 @@ def test_an_expert_loop_with_nothing_to_switch_to_is_called_out_as_such():
     there, so the warning must not suggest it."""
     import transformers
 
-    config = transformers.SwitchTransformersConfig(
-        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
-        num_experts=4, expert_capacity=64, encoder_sparse_step=1, decoder_sparse_step=1,
-        relative_attention_num_buckets=8, decoder_start_token_id=0,
-    )  # fmt: skip
-    model = transformers.SwitchTransformersForConditionalGeneration(config).eval()
+    model = transformers.SwitchTransformersForConditionalGeneration(switch_config()).eval()
     with pytest.raises(ValueError, match="does not support setting experts implementation"):
         model.set_experts_implementation("grouped_mm")
     warning = experts_warning(model)
     assert "runs its experts in a loop of its own" in warning and "set_experts_implementation" not in warning
+
+
+def switch_config():
+    import transformers
+
+    return transformers.SwitchTransformersConfig(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+        num_experts=4, expert_capacity=64, encoder_sparse_step=1, decoder_sparse_step=1,
+        relative_attention_num_buckets=8, decoder_start_token_id=0,
+    )  # fmt: skip
+
+
+def test_a_router_that_picks_experts_by_argmax_is_left_alone():
+    """Switch Transformers' router picks each token's expert with argmax + one_hot, no topk: it was
+    quantized as a plain linear (its rounding flips which expert a token gets)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.SwitchTransformersEncoderModel(switch_config()).eval()
+    plan = qp.explain(model, token_ids(length=5), linear="int8_weight_only")
+    rows = {row.fqn: row for row in plan.rows}
+    router = rows["encoder.block.0.layer.1.mlp.router.classifier"]
+    assert router.weight is None and "MoE router" in router.reason
+    assert rows["encoder.block.0.layer.1.mlp.experts.expert_0.wi"].weight is not None

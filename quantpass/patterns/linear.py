@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ..problem import Problem
 from ..quant_registry.names import Kind
-from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument, is_cast, reaches
+from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument, is_cast, op_name, reaches
 from .site import ParamRef, Site, param_refs
 
 MATMUL_TARGETS = {operator.matmul, torch.matmul}
@@ -91,13 +91,18 @@ def _module_fqn(node: fx.Node, fallback: str) -> str:
 
 
 def _feeds_topk(node: fx.Node, hops: int = ROUTER_HOPS, routing=frozenset()) -> bool:
-    """A linear whose output reaches `topk`, or a proven MoE layer's routing (`routing`: its top-k ids
-    and weights, however computed: PhiMoE's sparsemixer picks experts with max and masked_fill), within
-    `hops` nodes is an MoE router; not through another linear (that one is the router: Llama 4's
-    attention o_proj reached its router's topk through the residual add and the norm)."""
-    return reaches(
-        node, lambda u: u.target in (torch.topk, "topk") or u in routing, hops, lambda u: u.target not in LINEAR_TARGETS
-    )
+    """A linear whose output reaches `topk`, an `argmax` made one-hot (Switch Transformers' and
+    NLLB-MoE's expert choice), or a proven MoE layer's routing (`routing`: its top-k ids and weights,
+    however computed: PhiMoE's sparsemixer picks experts with max and masked_fill), within `hops` nodes
+    is an MoE router; not through another linear (that one is the router: Llama 4's attention o_proj
+    reached its router's topk through the residual add and the norm)."""
+    return reaches(node, lambda u: _picks_experts(u) or u in routing, hops, lambda u: u.target not in LINEAR_TARGETS)
+
+
+def _picks_experts(node: fx.Node) -> bool:
+    if node.target in (torch.topk, "topk"):
+        return True
+    return op_name(node) == "argmax" and any(op_name(user) == "one_hot" for user in node.users)
 
 
 def find_linear_sites(
