@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -17,9 +18,11 @@ import torch
 from . import envs
 from .debug import dump_compile
 from .lowering import LOWERINGS, lower
+from .passes.frame_names import compiled_root
 from .passes.quantize import Binding
 from .passes.quantize_pass import QuantizePass
 from .plan import Plan
+from .plan_coverage import unreached_rows
 from .quant_registry.spec import QuantizationConfig
 from .weight_cache import WEIGHTS, install_eager_guard, return_freed_memory
 from .weights import graph_owners, hook_owners
@@ -123,6 +126,7 @@ class QuantpassBackend:
     graphs: list[tuple] = field(default_factory=list)
     keep_graphs: bool = False
     warned_grad: bool = False
+    roots: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # the modules compiled (not kept alive)
 
     def __post_init__(self):
         options = self.options  # one pass per backend: it remembers what it verified across graphs
@@ -132,10 +136,13 @@ class QuantpassBackend:
 
     @property
     def plan(self) -> Plan:
-        """All compiled graphs' plans together."""
+        """All compiled graphs' plans together, and a row for each linear of the compiled models that
+        no graph named (`plan_coverage`)."""
         merged = Plan()
         for plan in self.plans:
             merged.extend(plan)
+        for root in list(self.roots):
+            merged.rows += unreached_rows(root, merged)
         return merged
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
@@ -148,6 +155,8 @@ class QuantpassBackend:
         quantize_pass = self.quantize_pass
         result = quantize_pass(gm, example_inputs)
         self.plans.append(result.plan)
+        if (root := compiled_root()) is not None:
+            self.roots.add(root)
         if self.keep_graphs:
             self.graphs.append((gm, result.graph_module))
         logger.info("%s", result.plan.summary())
@@ -281,4 +290,5 @@ def explain(model, *example_inputs, config: QuantizationConfig | dict | None = N
 
     with torch.no_grad():
         torch.compile(model, backend=planner)(*example_inputs)
+    plan.rows += unreached_rows(model, plan)
     return plan

@@ -26,6 +26,7 @@ import torch
 from .backend import BackendOptions, QuantpassBackend, experts_warning
 from .debug import depyf_session
 from .plan import Plan
+from .plan_coverage import unreached_rows
 
 logger = logging.getLogger("quantpass")
 
@@ -179,6 +180,7 @@ def _plan(self) -> Plan | None:
     merged = Plan()
     for plan in state["plans"].values():
         merged.extend(plan)
+    merged.rows += unreached_rows(self, merged)
     return merged
 
 

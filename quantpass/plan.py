@@ -33,9 +33,13 @@ class PlanRow:
 @dataclass
 class Plan:
     rows: list[PlanRow] = field(default_factory=list)
+    frames: list[str] = field(default_factory=list)  # submodules whose forward was a graph of its own
+    read: list[str] = field(default_factory=list)  # the parameters the graphs take as inputs, by name
 
     def extend(self, other: Plan) -> None:
         self.rows.extend(other.rows)
+        self.frames.extend(f for f in other.frames if f not in self.frames)
+        self.read.extend(other.read)
 
     def quantized(self, kind: str | None = None) -> list[PlanRow]:
         return [r for r in self.rows if r.quantized and kind in (None, r.kind)]

@@ -435,3 +435,67 @@ def test_a_router_without_topk_is_found_by_the_layer_it_routes():
         m(torch.randint(0, model.config.vocab_size, (1, 9)))
     routers = [row for row in backend.plan.rows if row.fqn.endswith("mlp.router")]
     assert len(routers) == 2 and all(row.reason.startswith("MoE router") for row in routers), backend.plan
+
+
+class BreakingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(32, 32)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return self.lin(x).relu()
+
+
+class BlocksInALoop(nn.Module):
+    """Blocks that break the graph, called in a loop: Dynamo compiles one block's forward and runs the
+    others on it, and runs the loop (and the head after it) eagerly."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([BreakingBlock() for _ in range(3)])
+        self.head = nn.Linear(32, 8)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def test_every_linear_of_the_model_has_a_row():
+    """The plan named only blocks.0.lin: blocks 1-2 ran on its graph (quantized, unreported) and the
+    head, never in a graph, stayed unquantized without a word."""
+    from quantpass.weight_cache import WEIGHTS
+
+    torch.manual_seed(0)
+    model, x = BlocksInALoop().eval(), torch.randn(4, 32)
+    m, backend = compiled(model)
+    with torch.no_grad():
+        expected, out = model(x), m(x)
+    rows = {row.fqn: row for row in backend.plan.rows}
+    assert list(rows) == ["blocks.0.lin", "blocks.1.lin", "blocks.2.lin", "head"]
+    for i in (1, 2):
+        row = rows[f"blocks.{i}.lin"]
+        assert (row.weight, row.backend) == (rows["blocks.0.lin"].weight, rows["blocks.0.lin"].backend)
+        assert row.reason.startswith("as blocks.0.lin: runs on the graph of blocks.0's forward")
+        assert WEIGHTS.is_released(model.blocks[i].lin.weight)  # quantized on that graph indeed
+    assert not rows["head"].quantized and rows["head"].reason.startswith("in no compiled graph")
+    assert cosine(expected, out) > 0.999
+    planned = qp.explain(BlocksInALoop().eval(), x, linear="int8_weight_only")
+    assert [(r.fqn, r.quantized) for r in planned.rows] == [(fqn, r.quantized) for fqn, r in rows.items()]
+
+
+class GroupedLinear(nn.Linear):
+    """DeepSeek-V4's grouped output projection: each group of the input times its block of the weight."""
+
+    def forward(self, x):
+        w = self.weight.view(2, -1, self.in_features).transpose(1, 2)
+        return torch.bmm(x.reshape(-1, 2, self.in_features).transpose(0, 1), w).transpose(0, 1).flatten(1)
+
+
+def test_a_linear_read_as_no_linear_says_so():
+    model = nn.Sequential(GroupedLinear(16, 32), nn.Linear(32, 8)).eval()
+    plan = qp.explain(model, torch.randn(4, 32), linear="int8_weight_only")
+    rows = {row.fqn: row for row in plan.rows}
+    assert rows["1"].quantized and not rows["0"].quantized
+    assert rows["0"].reason.startswith("its weight is in a compiled graph, read by no linear the pass knows")

@@ -56,15 +56,16 @@ def shared_instances(root: nn.Module, module: nn.Module) -> list[str]:
     return [path for path, other in root.named_modules() if type(other) is type(module) and other is not module]
 
 
-def name_from_the_model(sites: list, rows: list, example_inputs, config) -> None:
+def name_from_the_model(sites: list, rows: list, example_inputs, config) -> str | None:
     """Sites and rows (in place) named from the compiled model where this graph is a submodule's frame;
     a note on each site says so, and a warning where the config treats another instance of the module
-    differently (Dynamo may run that instance on this graph: then this instance's plan applies to it)."""
+    differently (Dynamo may run that instance on this graph: then this instance's plan applies to it).
+    Returns the frame's module path, None where the graph is not a submodule's frame."""
     root = compiled_root()
     relative = {ref.index: ref.name for site in sites for ref in site.params}
     prefix = frame_prefix(root, relative, example_inputs) if root is not None and relative else ""
     if not prefix:
-        return
+        return None
     for item in (*sites, *rows):
         item.fqn = prefix + item.fqn
     frame = prefix.removesuffix(".")
@@ -84,3 +85,4 @@ def name_from_the_model(sites: list, rows: list, example_inputs, config) -> None
                 differ[0], name, site.fqn, mine.name() if mine is not None else "left alone", differ[0], frame,
                 kind_of, frame,
             )  # fmt: skip
+    return frame

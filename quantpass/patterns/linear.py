@@ -128,6 +128,8 @@ def find_linear_sites(
             reason = "weight is not a parameter (computed in the graph or a buffer)"
             if is_cast(weight) and (source := params.get(weight.args[0])) is not None:  # DeepSeek-V4's mixing
                 reason = f"weight is {source.name} cast to {value.dtype} in the graph: left as the model computes it"
+                if source.name.endswith(".weight"):  # a Linear's weight read by its owner: the Linear's row
+                    fqn = source.name.removesuffix(".weight")
             if _feeds_topk(node, routing=routing):  # DeepSeek-V2's: F.linear(x.float(), w.float())
                 reason = "MoE router: its outputs pick experts: left alone by default; its weight is cast in the graph"
             sites.append(LinearSite(fqn, [], Problem(int(n), int(k)), reason, node=node, x=x, bias=bias))
