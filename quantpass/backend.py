@@ -258,8 +258,8 @@ def experts_warning(model) -> str | None:
     if can_switch is not None and not can_switch():  # its own expert loop (DBRX, Switch, NLLB-MoE, JetMoE)
         return (
             f"{type(model).__name__} runs its experts in a loop of its own, with no grouped_mm or batched_mm "
-            "implementation to switch to: Dynamo breaks the graph there, so quantpass never sees the expert "
-            "weights and they stay unquantized"
+            "implementation to switch to: no fused MoE layer; the expert weights that reach a graph are quantized "
+            "one by one (weight-only where they are 3-D), the others stay unquantized, and the plan says which"
         )
     return (
         f"{type(model).__name__} uses transformers' 'eager' experts implementation: Dynamo breaks the graph "

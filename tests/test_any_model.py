@@ -424,6 +424,34 @@ def test_dense_bmm_experts_have_a_plan_row_and_quantize_one_by_one():
     assert cosine(want, got) >= FLOOR["int8_weight_only"]
 
 
+def test_experts_sliced_per_expert_are_quantized_one_by_one():
+    """JetMoE loops over its experts calling F.linear(x, self.weight[i]) on a 3-D parameter: each call
+    was a linear row "weight is not a parameter", named without its module path, and no expert weight
+    was quantized. They are an experts region now (moe slot), held quantized per expert."""
+    from quantpass.weight_cache import WEIGHTS
+
+    torch.manual_seed(0)
+    config = transformers.JetMoeConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_key_value_heads=2, kv_channels=16,
+        intermediate_size=32, max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2,
+        initializer_range=0.1,
+    )  # fmt: skip
+    model = transformers.JetMoeForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (2, 9))
+    m, backend = compiled(model, moe="int8_weight_only")
+    with torch.no_grad():
+        want, got = model(ids, use_cache=False).logits, m(ids, use_cache=False).logits
+    experts = [name for name, p in model.named_parameters() if p.dim() == 3]
+    assert len(experts) == 8  # input_linear and output_linear of the attention's and the MLP's experts
+    rows = {row.fqn: row for row in backend.plan.rows}
+    for name in experts:
+        row = rows[name.removesuffix(".weight")]
+        assert row.quantized and "F.linear on one expert's weight W[i] at a time" in row.reason, row
+        assert WEIGHTS.is_released(model.get_parameter(name))
+    assert not [row for row in backend.plan.rows if "not a parameter" in row.reason]
+    assert cosine(want, got) >= FLOOR["int8_weight_only"]
+
+
 def test_a_router_without_topk_is_found_by_the_layer_it_routes():
     """PhiMoE's sparsemixer picks experts with max and masked_fill, not topk: its router linear was
     quantized like any linear (a proven MoE layer's routing now marks the linear feeding it)."""

@@ -89,10 +89,8 @@ def find_moe_sites(graph: fx.Graph, example_inputs) -> MoEMatches:
     for ids, anchors in _anchor_groups(graph, params).items():
         fqn = _experts_fqn([params[a.weight].name for a in anchors])
         try:
-            if isinstance(ids, str):  # Llama 4's experts: routing weights scale the inputs, every expert runs
-                raise NotProven(
-                    "a bmm of every expert's weight with its own slice of an [E, T, H] batch: no expert ids"
-                )
+            if isinstance(ids, str):  # "<route> <module>": no expert ids to prove a region from
+                raise NotProven(WHY_UNROUTED[ids.partition(" ")[0]])
             if ids is None:
                 raise NotProven("its expert ids don't come from a [T, k] integer tensor (top-k indices)")
             site = _site(graph, order, params, example_inputs, ids, anchors, fqn)
@@ -105,6 +103,7 @@ def find_moe_sites(graph: fx.Graph, example_inputs) -> MoEMatches:
     for fqn, anchors, why in unproven:
         anchors = [a for a in anchors if a.node not in matches.claimed]
         matches.expert_gemms.append(expert_gemm_site(fqn, anchors, params, why, taken, order))
+        matches.claimed |= {a.node for a in anchors}  # JetMoE's F.linear on W[i]: not a linear site
     for fqn, weights in find_module_list_experts(graph, params).items():
         matches.expert_linears.update(dict.fromkeys(weights, fqn))
         matches.unproven.append((fqn, f"{len(weights)} per-expert linears (ModuleList): no fused form to prove"))
@@ -112,11 +111,18 @@ def find_moe_sites(graph: fx.Graph, example_inputs) -> MoEMatches:
 
 
 DENSE = "dense"  # the route of a bmm on the 3-D parameter itself (no gather by expert ids)
+SLICED = "sliced"  # the route of F.linear on one expert's slice of the 3-D parameter (`W[i]`)
+WHY_UNROUTED = {
+    DENSE: "a bmm of every expert's weight with its own slice of an [E, T, H] batch: no expert ids",  # Llama 4
+    SLICED: "F.linear on one expert's weight W[i] at a time (a loop over the experts in the model's code): "
+    "no expert ids",  # JetMoE
+}
 
 
 def _anchor_groups(graph, params) -> dict[fx.Node | str | None, list[ExpertMatmul]]:
     """Matmuls with a 3-D parameter operand, by the [T, k] expert ids they are routed by; a bmm on the
-    parameter itself (every expert on its own slice of the batch) by its module, as "dense <module>"."""
+    parameter itself (every expert on its own slice of the batch) or F.linear on one expert's slice by
+    its module, as "dense <module>" / "sliced <module>"."""
     groups: dict[fx.Node | str | None, list[ExpertMatmul]] = {}
     for node in graph.nodes:
         name = op_name(node)
@@ -140,10 +146,14 @@ def _anchor_groups(graph, params) -> dict[fx.Node | str | None, list[ExpertMatmu
                     found = (operand.args[0], other, operand.args[1], transposed)
                 elif name == "bmm" and operand in params:  # every expert on its slice of an [E, T, in] batch
                     found = (operand, other, DENSE, transposed)
+        elif name == "linear":  # x @ W[i].T: one expert's [out, in] slice
+            weight = argument(node, 1, "weight")
+            if op_name(weight) == "getitem" and isinstance(weight.args[1], int):
+                found = (weight.args[0], node.args[0], SLICED, False)
         if found is None or found[0] not in params or len(shape(found[0])) != 3 or found[1] is None:
             continue
         weight, source, route, transposed = found
-        key = f"{DENSE} {params[weight].name.rpartition('.')[0]}" if route is DENSE else ids_root(route)
+        key = f"{route} {params[weight].name.rpartition('.')[0]}" if route in WHY_UNROUTED else ids_root(route)
         groups.setdefault(key, []).append(ExpertMatmul(node, weight, source, transposed))
     return groups
 
