@@ -2,6 +2,7 @@
 
     python bench/memory.py                      # the default table (Llama-style, hidden 1024, 6 layers, bf16)
     python bench/memory.py --modes none int8_weight_only --hidden 512 --layers 2 --csv bench/out/memory.csv
+    python bench/memory.py --arch llama4 --modes none int8_weight_only   # MoE: Llama 4's experts (moe slot too)
 
 Per mode, a child process imports everything, compiles a throwaway 64x64 linear with the mode's
 format (so its kernels' one-time costs, libraries and tables, fall before the baseline as INT8's
@@ -55,10 +56,17 @@ def rss():  # resident set and its peak, bytes
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))
     return int(fields["VmRSS"].split()[0]) * 1024, int(fields["VmHWM"].split()[0]) * 1024
 
-mode, hidden, layers, threads, vocab, lowering = sys.argv[1], *map(int, sys.argv[2:6]), sys.argv[6]
+mode, hidden, layers, threads, vocab, lowering, arch = sys.argv[1], *map(int, sys.argv[2:6]), *sys.argv[6:8]
 torch.set_num_threads(threads)
-config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4, num_hidden_layers=layers,
-    num_attention_heads=16, num_key_value_heads=4, vocab_size=vocab, max_position_embeddings=256)
+if arch == "llama4":  # every layer MoE: 8 experts held in 3-D weights, run by bmm over all of them (top-1)
+    config = transformers.Llama4TextConfig(hidden_size=hidden, intermediate_size=hidden, num_hidden_layers=layers,
+        intermediate_size_mlp=hidden * 2, num_local_experts=8, num_experts_per_tok=1, interleave_moe_layer_step=1,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=hidden // 16, vocab_size=vocab,
+        max_position_embeddings=256)
+else:
+    config = transformers.LlamaConfig(hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+        num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4, vocab_size=vocab,
+        max_position_embeddings=256)
 ids = torch.randint(0, vocab, (1, 32), generator=torch.Generator().manual_seed(0))
 # warm the compile machinery and the mode's own kernels on a throwaway model: one-time costs (kernel
 # libraries, lookup tables, the code pages their ops touch) are not the weights'. The unquantized mode
@@ -69,12 +77,14 @@ with torch.no_grad():
 torch._dynamo.reset()
 before, _ = rss()
 torch.manual_seed(0)
-model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
 param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
 built, _ = rss()
 open("/proc/self/clear_refs", "w").write("5")  # reset VmHWM: the peak below is the compile's
 name, _, keep = mode.partition("+")
 options = {"lowering": lowering} if name == "none" else {"linear": name, "lowering": lowering, "keep_original_weights": bool(keep)}
+if name != "none" and arch == "llama4":
+    options["moe"] = name
 with torch.no_grad():
     torch.compile(model, backend=qp.backend(**options))(ids)
 after, peak = rss()
@@ -132,14 +142,16 @@ def _child(args: list[str], what: str, env: dict | None = None) -> dict:
     return json.loads(lines[-1]) if lines else {}
 
 
-def measure(mode: str, hidden: int, layers: int, threads: int, vocab: int, lowering: str, checkpoint=None) -> dict:
+def measure(
+    mode: str, hidden: int, layers: int, threads: int, vocab: int, lowering: str, checkpoint=None, arch="llama"
+) -> dict:
     """One child's figures; under Inductor two children sharing a new, empty Inductor cache: the first
     compiles everything (a cold cache: `cold_*` figures), the second finds its graphs there (a warm cache,
     every later run: the main figures)."""
     if mode.startswith("load:"):
         args = [LOAD_CHILD, mode, checkpoint, str(threads), str(vocab), lowering]
     else:
-        args = [CHILD, mode, str(hidden), str(layers), str(threads), str(vocab), lowering]
+        args = [CHILD, mode, str(hidden), str(layers), str(threads), str(vocab), lowering, arch]
     if lowering != "inductor":
         return _child(args, f"mode {mode}")
     with tempfile.TemporaryDirectory(prefix="quantpass-inductor-cache-") as cache:
@@ -212,19 +224,22 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--vocab", type=int, default=256, help="small: the embedding and head stay unquantized")
     parser.add_argument("--lowering", default="aot_eager", help="the backends' lowering (inductor: what users run)")
+    parser.add_argument(
+        "--arch", choices=("llama", "llama4"), default="llama", help="llama4: every layer MoE (8 experts)"
+    )
     parser.add_argument("--csv", type=Path, default=Path(__file__).parent / "out" / "memory.csv")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="quantpass-memory-") as checkpoint:
         if any(mode.startswith("load:") for mode in args.modes):
             _child([SAVE, str(args.hidden), str(args.layers), str(args.vocab), checkpoint], "saving the checkpoint")
         rows = [
-            measure(mode, args.hidden, args.layers, args.threads, args.vocab, args.lowering, checkpoint)
+            measure(mode, args.hidden, args.layers, args.threads, args.vocab, args.lowering, checkpoint, args.arch)
             for mode in args.modes
         ]
     write_csv(args.csv, rows)
     stamp = utc_stamp()
     print(f"{stamp}, {platform.processor() or platform.machine()}, torch threads {args.threads}, "
-          f"Llama-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, bf16, lowering {args.lowering}, `python bench/memory.py "
+          f"{'Llama 4' if args.arch == 'llama4' else 'Llama'}-style hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}, bf16, lowering {args.lowering}, `python bench/memory.py "
           f"{' '.join(argv or sys.argv[1:])}`".rstrip())  # fmt: skip
     tables = [
         make(rows)

@@ -115,3 +115,34 @@ def test_dequantize_weight_op(spec, transposed):
     assert dense.is_contiguous()
     if spec == "int8_per_channel":
         torch.library.opcheck(torch.ops.quantpass.dequantize_weight.default, args)
+
+
+def test_verify_compares_every_expert_and_sees_a_swapped_one():
+    """verify's sample rows through every expert of the original and of the quantized weight (expert by
+    expert: an fp32 copy of one expert at a time), and a quantized weight with two experts swapped is
+    visible in it."""
+    from dataclasses import replace
+
+    from test_moe_patterns import capture_one
+
+    from quantpass.metrics import sqnr
+    from quantpass.passes.lower import lowering_for
+    from quantpass.passes.quantize import quantize_site
+    from quantpass.patterns.moe import find_moe_sites
+
+    torch.manual_seed(0)
+    model = defeat_activation(tiny_moe("gpt_oss", "batched_mm", torch.float32))
+    gm, example_inputs = capture_one(model, token_ids(length=8), kwargs={"use_cache": False})
+    (site, *_) = find_moe_sites(gm.graph, example_inputs).expert_gemms
+    values = [example_inputs[p.index] for p in site.params]
+    lowering, spec = lowering_for(site), QuantSpec.from_name("int8_weight_only")
+    inputs = lowering.sample_inputs(site, None, "cpu", None)
+    quantized = quantize_site(site, values, spec, "reference")
+    original = lowering.run_original(site, inputs, values)
+    experts = values[0].shape[0]
+    assert original.numel() == sum(16 * experts * ref.matrix(v).shape[1] for ref, v in zip(site.params, values))
+    assert sqnr(original, lowering.run_quantized(site, inputs, quantized, spec, "reference", "cpu")) > 35
+    first = quantized[0]
+    swapped = replace(first, data=first.data[[1, 0, *range(2, experts)]], scale=first.scale[[1, 0, *range(2, experts)]])
+    wrong = lowering.run_quantized(site, inputs, [swapped, *quantized[1:]], spec, "reference", "cpu")
+    assert sqnr(original, wrong) < 10
