@@ -527,3 +527,34 @@ def test_a_linear_read_as_no_linear_says_so():
     rows = {row.fqn: row for row in plan.rows}
     assert rows["1"].quantized and not rows["0"].quantized
     assert rows["0"].reason.startswith("its weight is in a compiled graph, read by no linear the pass knows")
+
+
+class BreakingCastRouter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(32, 4, bias=False)
+
+    def forward(self, x):
+        torch._dynamo.graph_break()
+        return torch.topk(nn.functional.linear(x.float(), self.gate.weight.float()).softmax(-1), 2).values
+
+
+def test_a_frame_with_only_a_cast_router_is_named_from_the_model():
+    """LongCat's router forward, compiled on its own after a graph break, holds one linear reading its
+    weight cast: no site parameter to find the frame's path by, so its row was named `gate` (and the
+    model's own routers then had no row)."""
+    model = TwoRouters().eval()
+    plan = qp.explain(model, torch.randn(4, 32), linear="int8_weight_only")
+    rows = {row.fqn: row for row in plan.rows}
+    assert sorted(rows) == ["first.gate", "second.gate"], plan
+    assert rows["first.gate"].reason.startswith("MoE router"), plan
+    assert rows["second.gate"].reason.startswith("as first.gate"), plan
+
+
+class TwoRouters(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first, self.second = BreakingCastRouter(), BreakingCastRouter()
+
+    def forward(self, x):
+        return self.first(x) + self.second(x)

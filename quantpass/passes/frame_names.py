@@ -56,13 +56,14 @@ def shared_instances(root: nn.Module, module: nn.Module) -> list[str]:
     return [path for path, other in root.named_modules() if type(other) is type(module) and other is not module]
 
 
-def name_from_the_model(sites: list, rows: list, example_inputs, config) -> str | None:
+def name_from_the_model(sites: list, rows: list, example_inputs, config, relative: dict[int, str]) -> str | None:
     """Sites and rows (in place) named from the compiled model where this graph is a submodule's frame;
     a note on each site says so, and a warning where the config treats another instance of the module
     differently (Dynamo may run that instance on this graph: then this instance's plan applies to it).
+    `relative`: graph input index -> the name of the parameter it is in the frame (every parameter the
+    graph reads: a frame whose only linear reads its weight cast, LongCat's router, has no site params).
     Returns the frame's module path, None where the graph is not a submodule's frame."""
     root = compiled_root()
-    relative = {ref.index: ref.name for site in sites for ref in site.params}
     prefix = frame_prefix(root, relative, example_inputs) if root is not None and relative else ""
     if not prefix:
         return None

@@ -271,10 +271,10 @@ def quantize_graph(
     gm = normalize(gm, example_inputs)  # a sharded model's layers spelled on local tensors (a copy)
     new_gm, copies = copy_graph(gm)  # sites are found on (and rewrite) the copy
     sites, rows = find_sites(new_gm.graph, example_inputs)
-    frame = name_from_the_model(sites, rows, example_inputs, config)  # a submodule's frame: names in the model
+    refs = param_refs(new_gm.graph, example_inputs).values()
+    frame = name_from_the_model(sites, rows, example_inputs, config, {r.index: r.name for r in refs})  # in the model
     decided = plan_sites(sites, example_inputs, config, grad_enabled, requantize)
-    prefix = f"{frame}." if frame else ""
-    read = [prefix + ref.name for ref in param_refs(new_gm.graph, example_inputs).values()]
+    read = [(f"{frame}." if frame else "") + ref.name for ref in refs]
     plan = Plan(rows + [d.row if isinstance(d, QuantizedSite) else d for d in decided], [frame] if frame else [], read)
     chosen = [d for d in decided if isinstance(d, QuantizedSite)]
     if plan_only or not chosen:
