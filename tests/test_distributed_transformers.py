@@ -17,9 +17,9 @@ transformers = pytest.importorskip("transformers")
 DistributedConfig = pytest.importorskip("transformers.distributed").DistributedConfig
 
 
-def _hf_tp_case(rank, world, path: str, fmt: str, moe: bool = False, ep: str | None = None) -> dict:
-    """Load the checkpoint whole and with transformers' TP plan (and, with `ep`, its expert-parallel
-    plan with that `ep_implementation`); compile both with quantpass."""
+def _hf_tp_case(rank, world, path: str, fmt: str, moe: bool = False, ep: str | None = None, plan="auto") -> dict:
+    """Load the checkpoint whole and with transformers' TP plan (`plan`: "auto", or rules overriding it;
+    with `ep`, also its expert-parallel plan with that `ep_implementation`); compile both with quantpass."""
     from tiny_models import token_ids
 
     import quantpass as qp
@@ -32,7 +32,7 @@ def _hf_tp_case(rank, world, path: str, fmt: str, moe: bool = False, ep: str | N
         torch._dynamo.reset()
         single = torch.compile(whole, backend=qp.backend(linear=fmt, moe=fmt, lowering="aot_eager"))(ids).logits
     experts = {"ep_size": world, "ep_implementation": ep} if ep else {}
-    config = DistributedConfig(tp_plan="auto", tp_size=world, **experts)
+    config = DistributedConfig(tp_plan=plan, tp_size=world, **experts)
     model = transformers.AutoModelForCausalLM.from_pretrained(path, distributed_config=config, **load).eval()
     run = compile_sharded(model, (ids,), linear=fmt, moe=fmt)
     out = run.pop("out").logits
@@ -54,21 +54,50 @@ def test_transformers_tp_plan_auto_llama(tmp_path, fmt):
         assert f"rank {rank}/2, local [64, 80] of [64, 160] (K split)" in rows["model.layers.0.mlp.down_proj"][1]
 
 
-def test_transformers_tp_plan_auto_qwen3_moe(tmp_path):
+# Qwen3-MoE's expert tensor parallelism, its default plan until transformers 5.25 (which deprecated the
+# `moe_tp_experts` style for expert parallelism, removal announced for 5.28, and dropped these rules from
+# the model's own plan): gate_up packed colwise (each rank: its half of gate and of up), down rowwise, the
+# outputs all-reduced by transformers
+EXPERTS_TP = {
+    "model.layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+    "model.layers.*.mlp.experts.down_proj": "rowwise",
+    "model.layers.*.mlp.experts": "moe_tp_experts",
+}
+
+
+def _qwen3_moe_tp(tmp_path, plan) -> list[dict]:
+    """Each rank's plan rows for a tiny Qwen3-MoE under this TP plan, INT8 weight-only; checked against
+    the whole model: the expert site and 4 attention projections quantized."""
     from tiny_moe_models import tiny_moe
 
     fmt = "int8_weight_only"
     tiny_moe("qwen3_moe", "grouped_mm", dtype=torch.float32, num_hidden_layers=1).save_pretrained(tmp_path)
-    results = run_ranks(_hf_tp_case, str(tmp_path), fmt, True)
-    # experts: gate_up packed colwise (each rank: its half of gate and of up), down rowwise, the
-    # outputs all-reduced by transformers; the expert site and 4 attention projections
+    results = run_ranks(_hf_tp_case, str(tmp_path), fmt, True, None, plan)
     _check_formats(results, [fmt], expected_quantized=5, gathers=None)
-    for rank, result in enumerate(results):
-        note = result[fmt]["rows"]["model.layers.0.mlp.experts"][1]
+    notes = [result[fmt]["rows"]["model.layers.0.mlp.experts"][1] for result in results]
+    for note in notes:
         # the fused MoE op, not the one-by-one fallback: the in-place all-reduce after the experts
         # was made functional, so nothing writes into the region from outside
         assert "grouped_mm experts" in note and "one by one" not in note, note
-        shards = "gate_up_proj local [4, 32, 64] of [4, 64, 64], down_proj local [4, 64, 16] of [4, 64, 32]"
+    return notes
+
+
+def test_transformers_tp_plan_auto_qwen3_moe(tmp_path):
+    """The model's own plan: its experts sharded where the installed transformers' plan shards them
+    (before 5.25), else whole on every rank."""
+    notes = _qwen3_moe_tp(tmp_path, "auto")
+    sharded = {f"model.{rule}" for rule in transformers.Qwen3MoeConfig.base_model_tp_plan} >= set(EXPERTS_TP)
+    for note in notes:
+        assert ("(N split and K split)" in note) == sharded, note
+
+
+def test_transformers_experts_tensor_parallel_qwen3_moe(tmp_path):
+    from transformers.integrations.tensor_parallel import ALL_PARALLEL_STYLES
+
+    if "moe_tp_experts" not in ALL_PARALLEL_STYLES:
+        pytest.skip("this transformers has no `moe_tp_experts` parallel style (removed in 5.28)")
+    shards = "gate_up_proj local [4, 32, 64] of [4, 64, 64], down_proj local [4, 64, 16] of [4, 64, 32]"
+    for rank, note in enumerate(_qwen3_moe_tp(tmp_path, EXPERTS_TP)):
         assert f"rank {rank}/2, {shards} (N split and K split)" in note, note
 
 
