@@ -110,6 +110,27 @@ def test_without_one_producer_for_every_layer_modelopt_rows_are_written_and_the_
     assert ran_again["model.layers.0.self_attn.q_proj"] == ("kFp8Static128BlockSym", "None")
 
 
+def test_modelopt_export_lists_every_unquantized_module_where_its_readers_look(tmp_path):
+    """A reader quantizes what the list leaves out: the router (transformers 5's `TopKRouter`, no
+    nn.Linear) is listed as ModelOpt's own export lists it, and config.json's flat form carries the list
+    as `ignore` too, where vLLM's ModelOpt configs read it (`exclude_modules` is hf_quant_config.json's)."""
+    model = tiny(moe=True)
+    logits, ran = run(model, linear="fp8_per_channel", moe="fp8_per_channel")
+    qp.save_pretrained(model, tmp_path)
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    listed = json.loads((tmp_path / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert quant["quant_algo"] == "FP8_PER_CHANNEL_PER_TOKEN", quant
+    assert quant["ignore"] == quant["exclude_modules"] == listed, quant
+    assert listed == ["model.embed_tokens", "model.layers.0.mlp.gate", "lm_head"], listed
+    routers = getattr(
+        pytest.importorskip("modelopt.torch.export.quant_utils"), "_get_unquantized_moe_router_names", None
+    )
+    if routers is not None:  # ModelOpt's own rule (0.47), private
+        assert routers(model) == ["model.layers.0.mlp.gate"]
+    again, ran_again = run(qp.from_pretrained(tmp_path))
+    assert ran_again == ran and torch.equal(again, logits)
+
+
 @pytest.mark.parametrize("moe", ["int4_weight_only", "int8_per_channel"])
 def test_compressed_tensors_moe_models_load_back(moe, tmp_path):
     """One group targeting `Linear` when experts and linears share a format, else one group per

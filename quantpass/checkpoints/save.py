@@ -172,18 +172,30 @@ def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info, tr
         quantization["exclude_modules"] = exclude
         with open(os.path.join(path, "hf_quant_config.json"), "w") as f:
             json.dump({"producer": PRODUCER, "quantization": quantization}, f, indent=4)
-        config["quantization_config"] = {"quant_method": "modelopt", "producer": PRODUCER, **quantization}
+        # config.json's flat form, as ModelOpt's export writes it: readers of this form (vLLM) take the
+        # unquantized modules from `ignore`; `exclude_modules` stays for those that read it here
+        config["quantization_config"] = {
+            "quant_method": "modelopt",
+            "producer": PRODUCER,
+            **quantization,
+            "ignore": exclude,
+        }
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
 
 
 def _excluded(root: nn.Module, quantized: set[str], info) -> list[str]:
     """Modules left unquantized: a loaded checkpoint's own list while the same layers are quantized,
-    else every linear, embedding and experts module that is not quantized."""
+    else every module with a matrix of weights (linear, embedding, a router that is no nn.Linear:
+    transformers 5's `TopKRouter`) and every experts module that is not quantized. A reader quantizes
+    what the list leaves out: vLLM's Qwen3-MoE loader failed on a router missing from ModelOpt's own
+    list (what ModelOpt 0.47's export says of the routers it now adds)."""
     if info is not None and set(info.algos) == quantized:
         return list(info.layout.exclude)
-    return [
-        fqn
-        for fqn, module in root.named_modules()
-        if fqn and fqn not in quantized and (isinstance(module, nn.Linear | nn.Embedding) or _fused_experts(module))
-    ]
+    return [fqn for fqn, module in root.named_modules() if fqn and fqn not in quantized and _has_weights(module)]
+
+
+def _has_weights(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    matrix = isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.is_floating_point()
+    return matrix or isinstance(module, nn.Linear | nn.Embedding) or _fused_experts(module)
