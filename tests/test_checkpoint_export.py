@@ -22,7 +22,8 @@ from quantpass.checkpoints import shards
 from quantpass.metrics import cosine
 
 pytest.importorskip("compressed_tensors")
-from compressed_tensors.quantization import preset_name_to_scheme
+from compressed_tensors.compressors.format import infer_module_format
+from compressed_tensors.quantization import QuantizationScheme, preset_name_to_scheme
 
 VOCAB = 256
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
@@ -56,7 +57,7 @@ CASES = {
     "int8_per_channel": ("compressed-tensors", "W8A8"),
     "int4_weight_only": ("compressed-tensors", "W4A16"),
     "fp8_weight_only": ("compressed-tensors", None),  # fp8 channel weights, bf16 activations: no preset
-    "int8_weight_only": ("compressed-tensors", None),  # int-quantized without activations (W8A16 packs them)
+    "int8_weight_only": ("compressed-tensors", None),  # per channel: the W8A16 preset's are groups of 128
 }
 
 
@@ -76,6 +77,9 @@ def test_saved_formats_load_back_running_what_ran(fmt, tmp_path, caplog):
     if method == "compressed-tensors":
         (group,) = quant["config_groups"].values()
         assert group["targets"] == ["Linear"] and "lm_head" in quant["ignore"], quant
+        # the format compressed-tensors' own writer picks for these arguments (int8 weight-only: packed)
+        written = infer_module_format(torch.nn.Linear, QuantizationScheme(**group)).value
+        assert quant["format"] == group["format"] == written, (quant, written)
         if scheme is not None:  # the arguments compressed-tensors' own preset writes
             preset = preset_name_to_scheme(scheme, ["Linear"]).model_dump(exclude_none=True)
             for role in ("weights", "input_activations"):
@@ -131,7 +135,7 @@ def test_modelopt_export_lists_every_unquantized_module_where_its_readers_look(t
     assert ran_again == ran and torch.equal(again, logits)
 
 
-@pytest.mark.parametrize("moe", ["int4_weight_only", "int8_per_channel"])
+@pytest.mark.parametrize("moe", ["int4_weight_only", "int8_per_channel", "int8_weight_only"])
 def test_compressed_tensors_moe_models_load_back(moe, tmp_path):
     """One group targeting `Linear` when experts and linears share a format, else one group per
     format naming its modules (the experts by their module)."""
@@ -146,7 +150,7 @@ def test_compressed_tensors_moe_models_load_back(moe, tmp_path):
         assert quant["quant_method"] == "compressed-tensors" and quant["format"] == "mixed-precision", quant
         assert targets["pack-quantized"] == ["model.layers.0.mlp.experts"], targets
         assert "model.layers.0.self_attn.q_proj" in targets["int-quantized"], targets
-    suffix = "weight_packed" if moe == "int4_weight_only" else "weight"
+    suffix = "weight_packed" if moe.endswith("weight_only") else "weight"
     assert any(name.endswith(f"experts.3.down_proj.{suffix}") for name in shards.index(str(tmp_path)))
     again, ran_again = run(qp.from_pretrained(tmp_path))
     assert ran_again == ran

@@ -27,7 +27,9 @@ from quantpass.weight_cache import WEIGHTS
 ct = pytest.importorskip("compressed_tensors")
 from compressed_tensors.compressors import ModelCompressor  # noqa: E402
 from compressed_tensors.quantization import (  # noqa: E402
+    QuantizationArgs,
     QuantizationConfig,
+    QuantizationScheme,
     QuantizationStrategy,
     apply_quantization_config,
     preset_name_to_scheme,
@@ -36,7 +38,7 @@ from compressed_tensors.quantization.utils.helpers import calculate_qparams, gen
 
 VOCAB = 256
 IDS = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(7))
-FLOOR = {"FP8_DYNAMIC": 0.99, "FP8": 0.99, "FP8_BLOCK": 0.99, "W8A8": 0.99, "W4A16": 0.999, "MIXED": 0.99,
+FLOOR = {"FP8_DYNAMIC": 0.99, "FP8": 0.99, "FP8_BLOCK": 0.99, "W8A8": 0.99, "W4A16": 0.999, "W8A16_CHANNEL": 0.999, "MIXED": 0.99,
          "NVFP4": 0.97, "NVFP4A16": 0.999}  # fmt: skip
 
 
@@ -61,11 +63,20 @@ def _min_max(weight: torch.Tensor, args) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.amin((1, 3)), blocks.amax((1, 3))
 
 
+# schemes no preset names: INT8 weights per channel without activations (the W8A16 preset's are in groups
+# of 128), which compressed-tensors packs four to an int32 word (`pack-quantized`)
+SCHEMES = {"W8A16_CHANNEL": {"weights": QuantizationArgs(num_bits=8, type="int", symmetric=True, strategy="channel")}}
+
+
 def write_ct(groups: dict, out, ignore=("lm_head",)) -> str:
-    """A compressed-tensors checkpoint of `tiny()`: `groups` maps a preset scheme name to its targets."""
+    """A compressed-tensors checkpoint of `tiny()`: `groups` maps a preset scheme name (or one of
+    SCHEMES) to its targets."""
     model = tiny()
     config_groups = {
-        f"group_{i}": preset_name_to_scheme(name, targets) for i, (name, targets) in enumerate(groups.items())
+        f"group_{i}": QuantizationScheme(targets=targets, **SCHEMES[name])
+        if name in SCHEMES
+        else preset_name_to_scheme(name, targets)
+        for i, (name, targets) in enumerate(groups.items())
     }
     apply_quantization_config(model, QuantizationConfig(config_groups=config_groups, ignore=list(ignore)))
     for module in model.modules():
@@ -103,6 +114,7 @@ CASES = {  # name -> ({preset scheme: targets}, ignore)
     "FP8_BLOCK": ({"FP8_BLOCK": ["Linear"]}, ("lm_head",)),
     "W8A8": ({"W8A8": ["Linear"]}, ("lm_head",)),
     "W4A16": ({"W4A16": ["Linear"]}, ("lm_head",)),  # pack-quantized: eight nibbles per int32 word
+    "W8A16_CHANNEL": ({"W8A16_CHANNEL": ["Linear"]}, ("lm_head",)),  # pack-quantized: four bytes per word
     "NVFP4": ({"NVFP4": ["Linear"]}, ("lm_head",)),  # nvfp4-pack-quantized: ModelOpt's NVFP4, inverse global scales
     "NVFP4A16": ({"NVFP4A16": ["Linear"]}, ("lm_head",)),
     # two groups by regex, a layer ignored by regex
@@ -114,7 +126,7 @@ STATIC_KEYS = {
     "NVFP4A16": ("kNvfp4Static", "None"),
 }
 EXPECTED_FORMAT = {"FP8_DYNAMIC": "fp8_per_channel", "FP8_BLOCK": "fp8_per_block", "W8A8": "int8_per_channel",
-                   "W4A16": "int4_weight_only"}  # fmt: skip
+                   "W4A16": "int4_weight_only", "W8A16_CHANNEL": "int8_weight_only"}  # fmt: skip
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -131,7 +143,12 @@ def test_compressed_tensors_checkpoint(case, tmp_path):
     # every linear the checkpoint stores quantized runs its format; nothing else is quantized
     entries = shards.index(path)
     stored = {name.removesuffix(".weight_scale") for name in entries if name.endswith(".weight_scale")}
-    if case in ("W4A16", "NVFP4", "NVFP4A16"):  # no 16-bit copy of a packed weight: `weight_packed` is its data
+    if case in (
+        "W4A16",
+        "W8A16_CHANNEL",
+        "NVFP4",
+        "NVFP4A16",
+    ):  # no 16-bit copy of a packed weight: `weight_packed` is its data
         assert not any(name.endswith(".weight") and name.rsplit(".", 1)[0] in stored for name in entries)
     quantized = {row.fqn: row for row in plan.rows if row.quantized}
     assert set(quantized) == stored, plan
@@ -192,9 +209,9 @@ def test_formats_without_a_layout_here_are_refused_naming_them(scheme, message, 
          "naive-quantized, pack-quantized, nvfp4-pack-quantized"),
         ("pack-quantized", {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 128, "actorder": "group"},
          r"weights: actorder 'group' \(GPTQ's permuted groups, `weight_g_idx`\) is not supported"),
-        ("pack-quantized", {"num_bits": 8, "type": "int", "strategy": "channel"},
-         "kInt8StaticChannelSym weights in format 'pack-quantized'; quantpass reads packed: kInt4StaticGroup128Sym "
-         "as 'pack-quantized', kNvfp4Static as 'nvfp4-pack-quantized'"),
+        ("pack-quantized", {"num_bits": 8, "type": "float", "strategy": "channel"},
+         "kFp8StaticChannelSym weights in format 'pack-quantized'; quantpass reads packed: 'pack-quantized': "
+         "kInt4StaticGroup128Sym, kInt8StaticChannelSym; 'nvfp4-pack-quantized': kNvfp4Static"),
     ],
 )  # fmt: skip
 def test_arguments_without_a_key_are_refused_naming_them(fmt, weights, message, tmp_path):

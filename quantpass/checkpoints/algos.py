@@ -129,11 +129,18 @@ def _e8m0_scale(role: str, tensor: torch.Tensor, want) -> torch.Tensor:
 
 
 def _int32_words(role: str, tensor: torch.Tensor, want) -> torch.Tensor | None:
-    """compressed-tensors' pack-quantized INT4: words of eight nibbles, read as their little-endian bytes
-    (quantpass's two-per-byte layout); its `weight_shape` says what the data's shape already says."""
+    """compressed-tensors' pack-quantized ints: words of eight nibbles (four bytes), read as their
+    little-endian bytes (quantpass's two-per-byte INT4 layout; INT8 then goes through `offset_128`); its
+    `weight_shape` says what the data's shape already says."""
     if role == "data" and tensor.dtype == torch.int32:
         return tensor.contiguous().view(torch.uint8)[..., : want[-1]]
     return None if role == "shape" else tensor
+
+
+def _offset_128(role: str, tensor: torch.Tensor, want) -> torch.Tensor:
+    """compressed-tensors' pack-quantized INT8: each int stored plus 128 (an unsigned byte); flipping the
+    sign bit reads it as int8 again, and is its own inverse, so writing one back calls it too."""
+    return (tensor.view(torch.uint8) ^ 0x80).view(torch.int8) if role == "data" else tensor
 
 
 def _inverse_global_scale(role: str, tensor: torch.Tensor, want) -> torch.Tensor:
@@ -150,6 +157,7 @@ HOOKS = {
     "gpt_oss_blocks": _gpt_oss_blocks,
     "e8m0_scale": _e8m0_scale,
     "int32_words": _int32_words,
+    "offset_128": _offset_128,
     "inverse_global_scale": _inverse_global_scale,
 }
 # hook name -> roles the hook reads (and, for `int32_words`, writes) beside the algo's own

@@ -5,19 +5,21 @@ Such a config has no algo name: each `config_groups` entry gives its weights' an
 activations' quantization arguments (type, bits, strategy, dynamic, ...) and the modules it
 `targets`. The arguments are read into quantpass's `(weight, activation)` QuantKey pair, and the
 group becomes an `Algo` row like any other; its tensors are named as ModelOpt names them
-(`weight`, `weight_scale`, `input_scale`; `weight_packed` for packed 4-bit data). Read: the
-`float-quantized` and `int-quantized` formats (8-bit weights), `pack-quantized` 4-bit ints in
-groups of 128 (W4A16) and `nvfp4-pack-quantized` (NVFP4, W4A4 or W4A16), symmetric, for the pairs
-quantpass has a format for; anything else raises naming the group, the setting and what is read.
-The same tables write a group for a key pair (`group_for`, export).
+(`weight`, `weight_scale`, `input_scale`; `weight_packed` for packed data). Read: the
+`float-quantized` and `int-quantized` formats (8-bit weights), `pack-quantized` ints (4-bit in
+groups of 128: W4A16; 8-bit per channel: weight-only INT8) and `nvfp4-pack-quantized` (NVFP4, W4A4 or
+W4A16), symmetric, for the pairs quantpass has a format for; anything else raises naming the group,
+the setting and what is read. The same tables write a group for a key pair (`group_for`, export), in
+the format compressed-tensors' own writer picks for it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..quant_registry.formats import scale_shape
+from ..quant_registry.formats import ELEMENTS, scale_shape
 from ..quant_registry.keys import (
+    INT8,
     QuantKey,
     kFp8Dynamic128Sym,
     kFp8DynamicTokenSym,
@@ -35,8 +37,9 @@ from ..quant_registry.spec import QuantSpec
 from .algos import MIXED_PRECISION, MODELOPT_NAMES, Algo, Layout
 
 PRODUCER = "compressed-tensors"
-# `pack-quantized`: 4-bit ints packed eight per int32 word (`weight_packed`, offset by 8, first in the
-# lowest bits: as bytes, quantpass's INT4 layout) beside the unpacked shape (`weight_shape`)
+# `pack-quantized`: ints packed into int32 words (`weight_packed`, first in the lowest bits), offset by
+# 2^(bits-1): 4-bit ones eight per word (as bytes, quantpass's INT4 layout), 8-bit ones four per word
+# (as bytes, quantpass's INT8 with the sign bit flipped), beside the unpacked shape (`weight_shape`)
 PACKED_NAMES = {**MODELOPT_NAMES, "data": "{m}.weight_packed", "shape": "{m}.weight_shape"}
 # `nvfp4-pack-quantized`: ModelOpt's NVFP4 bytes and e4m3 group scales, its two global scales stored inverted
 # (`weight_global_scale` = 1 / weight_scale_2, `input_global_scale` = 1 / input_scale), as compressed-tensors'
@@ -45,7 +48,7 @@ NVFP4_NAMES = {**MODELOPT_NAMES, "data": "{m}.weight_packed", "scale2": "{m}.wei
                "input_scale": "{m}.input_global_scale"}  # fmt: skip
 FORMATS = {"float-quantized": MODELOPT_NAMES, "int-quantized": MODELOPT_NAMES, "naive-quantized": MODELOPT_NAMES,
            "pack-quantized": PACKED_NAMES, "nvfp4-pack-quantized": NVFP4_NAMES}  # fmt: skip
-PACKED = {"pack-quantized": kInt4StaticGroup128Sym, "nvfp4-pack-quantized": kNvfp4Static}  # the one key each packs
+PACKED = {"pack-quantized": (kInt4StaticGroup128Sym, kInt8StaticChannelSym), "nvfp4-pack-quantized": (kNvfp4Static,)}
 HOOKS = {"pack-quantized": ("int32_words",), "nvfp4-pack-quantized": ("inverse_global_scale",)}
 # (type, bits, strategy, block or group size, dynamic) of symmetric arguments -> key
 WEIGHT_KEYS = {
@@ -101,8 +104,9 @@ def group_algo(name: str, group: dict, default_format: str | None, where: str) -
     if group.get("output_activations"):
         raise ValueError(f"{where}: output_activations are not supported; quantpass quantizes weights and inputs")
     weight = _key(group.get("weights") or {}, WEIGHT_KEYS, f"{where} weights")
-    if (fmt in PACKED or weight in PACKED.values()) and PACKED.get(fmt) != weight:
-        packed = ", ".join(f"{key} as {name!r}" for name, key in PACKED.items())
+    packs = PACKED.get(fmt)
+    if (packs is not None and weight not in packs) or (packs is None and ELEMENTS[weight.dtype].packed):
+        packed = "; ".join(f"{name!r}: {', '.join(map(str, keys))}" for name, keys in PACKED.items())
         raise ValueError(f"{where}: {weight} weights in format {fmt!r}; quantpass reads packed: {packed}")
     inputs = group.get("input_activations")
     activation = None if not inputs else _key(inputs, ACTIVATION_KEYS, f"{where} input_activations")
@@ -112,7 +116,8 @@ def group_algo(name: str, group: dict, default_format: str | None, where: str) -
         *("scale2",) * (weight.scale2 is not None),
         *("input_scale",) * needs_input_scale(activation),
     )
-    hooks = HOOKS.get(fmt, ())
+    offset = fmt == "pack-quantized" and weight.dtype == INT8  # its bytes are offset by 128: int8 again after
+    hooks = HOOKS.get(fmt, ()) + ("offset_128",) * offset
     spec_name = QuantSpec(weight, activation).name()
     return Algo(f"{PRODUCER} {fmt} {spec_name}", weight, activation, tensors, FORMATS[fmt], hooks, producer=PRODUCER)
 
@@ -135,7 +140,14 @@ def group_for(weight: QuantKey, activation: QuantKey | None) -> dict | None:
     inputs = None if activation is None else _arguments(activation, ACTIVATION_KEYS)
     if weights is None or (activation is not None and inputs is None):
         return None
-    fmt = next((name for name, key in PACKED.items() if key == weight), f"{weights['type']}-quantized")
+    # as compressed-tensors' own writer picks it (its `infer_module_format`): NVFP4 packed; with input
+    # activations `int-` / `float-quantized`; weight-only ints packed, weight-only floats `naive-quantized`
+    if weight in PACKED["nvfp4-pack-quantized"]:
+        fmt = "nvfp4-pack-quantized"
+    elif activation is None:
+        fmt = "pack-quantized" if weights["type"] == "int" else "naive-quantized"
+    else:
+        fmt = f"{weights['type']}-quantized"
     return {"weights": weights, "input_activations": inputs, "output_activations": None, "format": fmt}
 
 

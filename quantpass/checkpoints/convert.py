@@ -119,6 +119,8 @@ def from_qtensor(algo: Algo, qt: QTensor, shapes: dict | None = None, dtypes: di
         out["scale"] = out["scale"].to(torch.float8_e8m0fnu)
     if "inverse_global_scale" in algo.hooks:  # stored as reciprocals: the read hook is its own inverse
         out = {role: HOOKS["inverse_global_scale"](role, tensor, None) for role, tensor in out.items()}
+    if "offset_128" in algo.hooks:  # its own inverse
+        out["data"] = HOOKS["offset_128"]("data", out["data"], None)
     if "int32_words" in algo.hooks:  # the bytes as int32 words (a partial last word zero-padded), and the shape
         out["data"] = F.pad(out["data"], (0, -out["data"].shape[-1] % 4)).view(torch.int32)
         out["shape"] = torch.tensor(shape[-2:])
