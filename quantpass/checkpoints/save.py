@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import torch
 import torch.nn as nn
@@ -134,6 +135,16 @@ def _module_of(fqn: str) -> str:
     return ".".join(parts[:-2]) if len(parts) > 2 and parts[-2].isdigit() else fqn
 
 
+def _ct_target(fqn: str) -> str:
+    """A compressed-tensors target naming one layer: its module name; an expert's projection as a regex
+    matching that projection of every expert of its module, the names vLLM looks its fused experts' scheme
+    up by (`<experts>.0.gate_proj`, `.0.up_proj`, `.0.down_proj`) and quantpass's loader each expert's by."""
+    module = _module_of(fqn)
+    if module == fqn:
+        return fqn
+    return rf"re:^{re.escape(module)}\.\d+\.{re.escape(fqn.rsplit('.', 1)[1])}$"
+
+
 def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info, transforms: list) -> None:
     config = root.config.to_dict()
     config.pop("quantization_config", None)
@@ -150,9 +161,9 @@ def _write_configs(root: nn.Module, path: str, layers: dict[str, Algo], info, tr
         names = ", ".join(sorted(algo.name for algo in algos))
         raise ValueError(f"cannot write {names} in one checkpoint: {own[0].name} has no mixed-precision layout here")
     if own and own[0].producer == "compressed-tensors" and (info is None or set(info.algos) != quantized):
-        targets: dict[Algo, list[str]] = {}  # the layers each row stores, experts by their module
+        targets: dict[Algo, list[str]] = {}  # the layers each row stores
         for fqn, algo in layers.items():
-            targets.setdefault(algo, []).append(_module_of(fqn))
+            targets.setdefault(algo, []).append(_ct_target(fqn))
         config["quantization_config"] = export_config({a: sorted(set(n)) for a, n in targets.items()}, exclude)
     elif own:
         config["quantization_config"] = hf_quantization_config(own[0], exclude, info.layout if info else None)
