@@ -51,12 +51,22 @@ def prepared_weights(w: torch.Tensor, name: str) -> dict[str, tuple]:
     weights = {}
     if cpu_avx2.available()[0]:
         weights[f"quantpass {name.upper()}"] = (cpu.prepare_weight("linear", qt), False)
+        if name == "int8" and cpu_avx2.int8_tiles() != "avx2":  # side by side with the tiles used elsewhere
+            weights["quantpass INT8, AVX2 tiles"] = (weights["quantpass INT8"][0], "avx2")
     with aten_kernels():
         weights[f"aten {name.upper()}"] = (cpu.prepare_weight("linear", qt), True)
     return weights
 
 
-def kernel(x: torch.Tensor, weight, aten: bool) -> torch.Tensor:
+def kernel(x: torch.Tensor, weight, aten: bool | str) -> torch.Tensor:
+    """aten's kernel (aten True), ours (False), or ours on INT8 tile set `aten` (a name)."""
+    if isinstance(aten, str):
+        before = cpu_avx2.int8_tiles()
+        cpu_avx2.int8_tiles(aten)
+        try:
+            return cpu._our_kernel(x, weight, None)
+        finally:
+            cpu_avx2.int8_tiles(before)
     if not aten:
         return cpu._our_kernel(x, weight, None)
     return cpu._aten_kernel(x, weight)

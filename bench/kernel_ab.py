@@ -7,8 +7,9 @@ one C call, csrc/bench_probes.c), rounds interleaved, with the bandwidth probe i
     python bench/kernel_ab.py old=/tmp/old/linear_avx2.c new=quantpass/kernels/csrc/linear_avx2.c
 
 `--layers 24` puts 200 MB of INT4 weights in rotation instead of 67 MB (an L3 of 32 MB or more may
-hold part of 67 MB between passes). Each version runs INT4 on each of its tile sets (`avx2`, and `avx512-vnni` where the CPU has it),
-and on each decode tile height where it has them (`8-row`, `4-row`).
+hold part of 67 MB between passes). Each version runs INT4 and INT8 on each of their tile sets (`avx2`, and
+`avx512-vnni` where the CPU and the version have them), and on each decode tile height where it has them
+(`8-row`, `4-row`). `--m 2` multiplies 2 activation rows (the decode tile heights then don't apply).
 Prints one markdown row per (format, threads, version); writes kernel_ab.csv to --out.
 """
 
@@ -32,27 +33,36 @@ def load(source: str) -> ctypes.CDLL:
     return cpu_avx2.with_signatures(ctypes.CDLL(str(path)))
 
 
-def cases(libs: dict[str, ctypes.CDLL], name: str, threads: int) -> dict:
+# the tile sets' C switch and names by weight bits
+TILE_SWITCHES = {4: ("qp_int4_vnni", cpu_avx2.INT4_TILES), 8: ("qp_int8_vnni", cpu_avx2.INT8_TILES)}
+
+
+def cases(libs: dict[str, ctypes.CDLL], name: str, threads: int, m: int = 1) -> dict:
     """{version (tiles): one pass over the layers in rotation}"""
     _, weights, _ = cpu_decode.layer_weights(name)
     key = cpu_decode.FORMATS[name][1]
     bits, mode = cpu.BITS[key], cpu_avx2.MODES[cpu.ACTIVATION_MODES[key][0]]
     x, out = (
-        torch.randn(1, cpu_decode.SIZE, dtype=torch.bfloat16),
-        torch.empty(1, cpu_decode.SIZE, dtype=torch.bfloat16),
+        torch.randn(m, cpu_decode.SIZE, dtype=torch.bfloat16),
+        torch.empty(m, cpu_decode.SIZE, dtype=torch.bfloat16),
     )
     out_of = {}
     for version, lib in libs.items():
-        for tiles in cpu_avx2.INT4_TILES if bits == 4 else ("",):
-            if tiles and cpu_avx2.INT4_TILES[lib.qp_int4_vnni(cpu_avx2.INT4_TILES.index(tiles))] != tiles:
+        switch_name, names = TILE_SWITCHES[bits]
+        switch = getattr(lib, switch_name, None)  # older sources have no INT8 switch
+        if switch is not None:
+            switch.argtypes, switch.restype = (ctypes.c_int,), ctypes.c_int
+        for tiles in names if switch is not None else ("",):
+            if tiles and names[switch(names.index(tiles))] != tiles:
                 continue  # this CPU lacks them
             run = cpu_decode.kernel_alone(x, weights, [out] * cpu_decode.LAYERS, bits, mode, threads, lib)
+            heights = cpu_avx2.DECODE_TILES if m == 1 and hasattr(lib, "qp_decode_rows") else ("",)
 
-            for decode in cpu_avx2.DECODE_TILES if hasattr(lib, "qp_decode_rows") else ("",):
+            for decode in heights:
 
-                def each(run=run, lib=lib, tiles=tiles, decode=decode):
+                def each(run=run, switch=switch, names=names, tiles=tiles, decode=decode, lib=lib):
                     if tiles:
-                        lib.qp_int4_vnni(cpu_avx2.INT4_TILES.index(tiles))
+                        switch(names.index(tiles))
                     if decode:
                         lib.qp_decode_rows(cpu_avx2.DECODE_TILES.index(decode))
                     run()
@@ -69,23 +79,24 @@ def main() -> None:
     parser.add_argument("--formats", nargs="+", default=list(cpu_decode.FORMATS), choices=list(cpu_decode.FORMATS))
     parser.add_argument("--rounds", type=int, default=21)
     parser.add_argument("--layers", type=int, default=cpu_decode.LAYERS, help="distinct weights in rotation")
+    parser.add_argument("--m", type=int, default=1, help="activation rows per call")
     parser.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "out"))
     args = parser.parse_args()
     cpu_decode.LAYERS = args.layers  # more layers: less of the rotation fits in a large L3
     libs = {name: load(path) for name, path in (s.split("=", 1) for s in args.sources)}
     stamp, rows = results.utc_stamp(), []
-    print(f"# kernel A/B, {stamp}; torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
+    print(f"# kernel A/B, {stamp}; M = {args.m}; torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()}")
     print("| format | threads | version (tiles) | ms/layer | spread | GB/s | % of bandwidth |")
     print("| --- | ---: | --- | ---: | --- | ---: | ---: |")
     for threads in args.threads:
         torch.set_num_threads(threads)
         bandwidth = cpu_decode.best_read(cpu_decode.bandwidth(args.rounds, threads))
         for name in args.formats:
-            versions, nbytes = cases(libs, name, threads)
+            versions, nbytes = cases(libs, name, threads, args.m)
             for version, times in results.interleaved(versions, args.rounds).items():
                 med, lo, hi = (t / cpu_decode.LAYERS for t in cpu_decode.stats(times))
                 gbps = nbytes / med / 1e9
-                rows.append(dict(format=name, threads=threads, version=version, ms=med * 1e3, min_ms=lo * 1e3,
+                rows.append(dict(format=name, m=args.m, threads=threads, version=version, ms=med * 1e3, min_ms=lo * 1e3,
                                  max_ms=hi * 1e3, gbps=gbps, bandwidth=bandwidth))  # fmt: skip
                 print(f"| {name} | {threads} | {version} | {med * 1e3:.3f} | {lo * 1e3:.3f}-{hi * 1e3:.3f} | "
                       f"{gbps:.1f} | {gbps / bandwidth * 100:.0f}% |")  # fmt: skip

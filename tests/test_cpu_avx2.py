@@ -1,5 +1,5 @@
 """quantpass's INT4 and INT8 CPU kernels (csrc/linear_avx2.c): every tile and tail path of every mode
-(INT4's integer mode on each of its tile sets, AVX2 and AVX-512 VNNI) against a float64 emulation of the
+(the integer modes on each of their tile sets, AVX2 and AVX-512 VNNI) against a float64 emulation of the
 same arithmetic on odd shapes (outputs poisoned with NaN), the dtypes of x, bias and out, 1 vs 2 threads
 bit for bit, non-finite activations, the build cache, and each reason they can't run."""
 
@@ -30,14 +30,14 @@ M_VALUES = (1, 2, 3, 4, 5, 8, 9, 33)  # tiles of 1-4 activation rows and their r
 N_VALUES = (1, 2, 3, 5, 9, 17, 67)  # every tile width (8, 4, 2 rows) with tails
 
 
-# (weight bits, INT4 tile set): INT8 has one set of tiles; each INT4 set runs where the CPU has it
-PATHS = [pytest.param(4, tiles, id=f"int4-{tiles}") for tiles in cpu_avx2.INT4_TILES]
-PATHS.append(pytest.param(8, None, id="int8"))
+# (weight bits, tile set): each set runs where the CPU has it
+TILE_SETS = {4: cpu_avx2.INT4_TILES, 8: cpu_avx2.INT8_TILES}
+PATHS = [pytest.param(bits, tiles, id=f"int{bits}-{tiles}") for bits, sets in TILE_SETS.items() for tiles in sets]
 
 
-def int4_tiles(name):
-    """The kernels on INT4 tile set `name` (None: leave them) for the block; skips where the CPU lacks it."""
-    return on_tiles(cpu_avx2.int4_tiles, name)
+def tiles_for(bits, name):
+    """The kernels on format `bits`'s tile set `name` for the block; skips where the CPU lacks it."""
+    return on_tiles(cpu_avx2.int4_tiles if bits == 4 else cpu_avx2.int8_tiles, name)
 
 
 def weight(n, k, bits, seed=0):
@@ -71,7 +71,7 @@ def expected(x, qt, bits, mode):
 @pytest.mark.parametrize("bits, tiles", PATHS)
 @pytest.mark.parametrize("k", [100, 300, 1000])
 def test_every_path_matches_its_arithmetic_on_odd_shapes(k, bits, tiles, decode):
-    with int4_tiles(tiles), on_tiles(cpu_avx2.decode_tiles, decode):
+    with tiles_for(bits, tiles), on_tiles(cpu_avx2.decode_tiles, decode):
         _every_path_matches(k, bits)
 
 
@@ -121,7 +121,7 @@ def test_one_and_two_threads_agree_bit_for_bit(bits, tiles):
     """200 x 4096 is enough work for two threads; each output is one thread's sum in a fixed order."""
     qt = weight(200, 4096, bits)
     threads = torch.get_num_threads()
-    with int4_tiles(tiles), contextlib.ExitStack() as stack:
+    with tiles_for(bits, tiles), contextlib.ExitStack() as stack:
         stack.callback(torch.set_num_threads, threads)
         for m in (1, 3, 9):
             x = torch.randn(m, 4096).bfloat16()
@@ -137,7 +137,7 @@ def test_one_and_two_threads_agree_bit_for_bit(bits, tiles):
 def test_non_finite_activations_give_non_finite_rows(bits, tiles):
     qt, x = weight(17, 300, bits), torch.randn(3, 300)
     x[0, 5], x[1, 200] = float("nan"), float("inf")
-    with int4_tiles(tiles):
+    with tiles_for(bits, tiles):
         _non_finite_rows(qt, x, bits)
 
 
@@ -157,10 +157,30 @@ def test_int4_tile_sets_agree_and_bad_names_are_named():
         cpu_avx2.int4_tiles("avx512")
     outs = []
     for tiles in cpu_avx2.INT4_TILES:
-        with int4_tiles(tiles):
+        with tiles_for(4, tiles):
             assert cpu_avx2.int4_tiles() == tiles
             outs.append(cpu_avx2.linear(x, qt.data, qt.scale, mode="int8"))
     assert sqnr(outs[0].double(), outs[1]) >= 120  # measured 131 dB: fp32 rounding only
+
+
+@needs_kernel
+def test_int8_tile_sets_agree_bit_for_bit_and_bad_names_are_named():
+    """The VNNI tiles add the AVX2 tiles' integer lanes pairwise before the same fp32 arithmetic: the same
+    outputs on every tile and tail (1 activation row runs on the AVX2 tiles in both sets)."""
+    with pytest.raises(ValueError, match=r"invalid INT8 tiles 'vnni'; valid: avx2, avx512-vnni"):
+        cpu_avx2.int8_tiles("vnni")
+    for n, k in ((67, 1000), (9, 300), (17, 129)):
+        qt = weight(n, k, 8, seed=n)
+        for m in M_VALUES:
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).bfloat16()
+            outs = []
+            for tiles in cpu_avx2.INT8_TILES:
+                with tiles_for(8, tiles):
+                    assert cpu_avx2.int8_tiles() == tiles
+                    outs.append(
+                        cpu_avx2.linear(x, qt.data, qt.scale, out=torch.full((m, n), float("nan")), mode="int16")
+                    )
+            assert torch.equal(*outs), (n, k, m)
 
 
 @needs_kernel
@@ -169,7 +189,7 @@ def test_decode_tile_heights_agree_bit_for_bit(bits, tiles):
     """One activation row on 8-row or 4-row tiles: each output the same sum in the same order."""
     with pytest.raises(ValueError, match=r"invalid decode tiles '2-row'; valid: 8-row, 4-row"):
         cpu_avx2.decode_tiles("2-row")
-    with int4_tiles(tiles):
+    with tiles_for(bits, tiles):
         for n, k in ((67, 1000), (9, 300), (4096 + 5, 256)):
             qt, x = weight(n, k, bits, seed=n), torch.randn(1, k).bfloat16()
             for mode in cpu_avx2.FORMAT_MODES[bits]:

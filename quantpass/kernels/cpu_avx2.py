@@ -52,6 +52,9 @@ OPENMP = "-fopenmp"  # tried first; without it the kernels build single-threaded
 # INT4 x int8 tiles (csrc's qp_int4_vnni 0, 1): AVX-512 VNNI wherever the CPU has it (measured faster on
 # Ice Lake at M = 1, 2, 4: bench/README.md, "CPU decode at the bandwidth limit"), AVX2 elsewhere.
 INT4_TILES = ("avx2", "avx512-vnni")
+# INT8 x int16 tiles (csrc's qp_int8_vnni 0, 1): AVX-512 VNNI wherever the CPU has it (the same outputs, bit
+# for bit; measured faster on a Zen 5: bench/README.md, "INT8 tiles on AVX-512 VNNI"), AVX2 elsewhere.
+INT8_TILES = INT4_TILES
 # Tiles for one activation row (csrc's qp_decode_rows 0, 1): 8 weight rows at a time (measured faster than
 # fewer on a Zen 4), or 4, which reads half as many weight streams at once: measured 5-19% faster
 # on a Zen 5 at 1 and 2 threads (bench/README.md, "Zen 5"). The same sums either way.
@@ -215,19 +218,26 @@ def int4_tiles(name: str | None = None) -> str:
     """The INT4 x int8 tiles the kernels use (one of INT4_TILES); with `name`, switch to those first
     ("avx512-vnni" only on a CPU with AVX-512 BW, VL and VNNI). Both give the reference's integer sums;
     their fp32 sums differ in the last bits (8 vs 16 lanes)."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError(f"quantpass's CPU kernels can't run: {available()[1]}")
-    return switch_tiles(lib.qp_int4_vnni, INT4_TILES, name, "INT4", "AVX-512 BW, VL or VNNI")
+    return _tiles("qp_int4_vnni", INT4_TILES, name, "INT4", "AVX-512 BW, VL or VNNI")
+
+
+def int8_tiles(name: str | None = None) -> str:
+    """The INT8 x int16 tiles the kernels use (one of INT8_TILES); with `name`, switch to those first
+    ("avx512-vnni" only on a CPU with AVX-512 BW, VL and VNNI). Both give the same outputs, bit for bit."""
+    return _tiles("qp_int8_vnni", INT8_TILES, name, "INT8", "AVX-512 BW, VL or VNNI")
 
 
 def decode_tiles(name: str | None = None) -> str:
     """The tiles that multiply one activation row (one of DECODE_TILES); with `name`, switch to those
     first. Both give the same outputs, bit for bit."""
+    return _tiles("qp_decode_rows", DECODE_TILES, name, "decode", "nothing")
+
+
+def _tiles(entry: str, names: tuple[str, ...], name: str | None, what: str, lacks: str) -> str:
     lib = library()
     if lib is None:
         raise RuntimeError(f"quantpass's CPU kernels can't run: {available()[1]}")
-    return switch_tiles(lib.qp_decode_rows, DECODE_TILES, name, "decode", "nothing")
+    return switch_tiles(getattr(lib, entry), names, name, what, lacks)
 
 
 def cpu_family() -> tuple[str, int] | None:
@@ -290,6 +300,7 @@ def _library() -> tuple[ctypes.CDLL | None, bool, str]:
     if lib is None:
         return None, False, reason
     with_signatures(lib).qp_int4_vnni(1)  # where the CPU has them (INT4_TILES)
+    lib.qp_int8_vnni(1)  # (INT8_TILES)
     lib.qp_decode_rows(DECODE_TILES.index(DECODE_TILES_BY_CPU.get(cpu_family(), DECODE_TILES[0])))
     return lib, True, f"quantpass's AVX2 kernels ({reason})"
 
@@ -301,6 +312,8 @@ def with_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qp_moe.argtypes, lib.qp_moe.restype = _MOE_ARGS, ctypes.c_int
     lib.qp_scratch_bytes.argtypes, lib.qp_scratch_bytes.restype = (I64, I64, I32, I32), I64
     lib.qp_int4_vnni.argtypes, lib.qp_int4_vnni.restype = (I32,), I32
+    if hasattr(lib, "qp_int8_vnni"):  # not in builds of older sources (bench/kernel_ab.py)
+        lib.qp_int8_vnni.argtypes, lib.qp_int8_vnni.restype = (I32,), I32
     if hasattr(lib, "qp_decode_rows"):  # not in builds of older sources (bench/kernel_ab.py)
         lib.qp_decode_rows.argtypes, lib.qp_decode_rows.restype = (I32,), I32
     return lib

@@ -27,7 +27,9 @@
  *          than bf16's 8), so the products are exact integer ones: 16 weights sign-extend to int16 in one
  *          instruction and meet 16 activations in one _mm256_madd_epi16 (an int32 lane gathers at most
  *          16 * 127 * 32767 < 2^31 per block); one conversion and one FMA by d per block, the row's
- *          scale once at the end.
+ *          scale once at the end. Where the CPU has AVX-512 VNNI (`qp_int8_vnni`), 32 weights meet 32
+ *          activations in one _mm512_dpwssd_epi32 for 2 activation rows and more (tile_int8_int16_vnni):
+ *          the same outputs, bit for bit.
  *
  * Tiles: R weight rows x MB activation rows (MB <= 4; more rows repeat the tile over the same weights,
  * now in cache). Threads (OpenMP, the libgomp torch loaded) split N into contiguous ranges that start on
@@ -286,18 +288,52 @@ INLINE void block_int8_int16(const uint8_t *acts, qlayout l, const uint8_t *w, i
   }
 }
 
-INLINE void tile_int8_int16(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes, const float *s,
-                            float *res, int R, int MB) {
-  __m256 acc[4][8];
-  for (int m = 0; m < MB; m++)
-    for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();
-  const int64_t whole = row_bytes / GROUP < l.blocks ? row_bytes / GROUP : l.blocks;
-  const uint8_t *next = w + R * row_bytes;
-  for (int64_t b = 0; b < whole; b++) block_int8_int16(acts, l, w, row_bytes, b, 1, acc, R, MB, &next);
-  for (int64_t b = whole; b < l.blocks; b++) block_int8_int16(acts, l, w, row_bytes, b, 0, acc, R, MB, &next);
-  for (int m = 0; m < MB; m++)
-    for (int r = 0; r < R; r++) res[m * R + r] = hsum(acc[m][r]) * s[r];
+/* The same block with AVX-512 VNNI: 32 weights sign-extend to int16 in one instruction and meet 32
+ * activations in one _mm512_dpwssd_epi32 (pair products added into the 16 int32 lanes). Lanes j and j + 8 are
+ * then added (exact integers: at most 16 * 127 * 32767 < 2^31 each), so lane j holds the products of the
+ * columns the AVX2 block's lane j does, and the fp32 arithmetic after it is the AVX2 block's: the outputs are
+ * the same, bit for bit. */
+INLINE VNNI void block_int8_int16_vnni(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes,
+                                       int64_t b, int whole, __m256 acc[4][8], int R, int MB, const uint8_t **next) {
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) {
+    __m512i dot[4];
+    for (int m = 0; m < MB; m++) dot[m] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < GROUP / 32; c++) {
+      const int64_t k = b * GROUP + 32 * c;
+      const uint8_t *p = w + r * row_bytes + k;
+      const __m256i bytes = whole ? _mm256_loadu_si256((const __m256i *)p)
+                                  : _mm256_set_m128i(load16(p + 16, row_bytes - k - 16), load16(p, row_bytes - k));
+      const __m512i v = _mm512_cvtepi8_epi16(bytes);
+      if (c % 2 == 0) *next = prefetch(*next);
+      for (int m = 0; m < MB; m++)
+        dot[m] = _mm512_dpwssd_epi32(dot[m], v, _mm512_loadu_si512((const void *)(acts + m * l.stride + 2 * k)));
+    }
+    for (int m = 0; m < MB; m++) {
+      const float *dx = (const float *)(acts + m * l.stride + l.blocks * l.block_bytes);
+      const __m256i sum = _mm256_add_epi32(_mm512_castsi512_si256(dot[m]), _mm512_extracti64x4_epi64(dot[m], 1));
+      acc[m][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_broadcast_ss(dx + b), acc[m][r]);
+    }
+  }
 }
+
+/* INT8 x int16 activations over a tile's blocks (BLOCK: the AVX2 or the VNNI one), the row's scale at the end */
+#define TILE_INT8_INT16(NAME, BLOCK, ...)                                                                       \
+  INLINE __VA_ARGS__ void NAME(const uint8_t *acts, qlayout l, const uint8_t *w, int64_t row_bytes,            \
+                               const float *s, float *res, int R, int MB) {                                    \
+    __m256 acc[4][8];                                                                                           \
+    for (int m = 0; m < MB; m++)                                                                                \
+      for (int r = 0; r < R; r++) acc[m][r] = _mm256_setzero_ps();                                             \
+    const int64_t whole = row_bytes / GROUP < l.blocks ? row_bytes / GROUP : l.blocks;                         \
+    const uint8_t *next = w + R * row_bytes;                                                                    \
+    for (int64_t b = 0; b < whole; b++) BLOCK(acts, l, w, row_bytes, b, 1, acc, R, MB, &next);                 \
+    for (int64_t b = whole; b < l.blocks; b++) BLOCK(acts, l, w, row_bytes, b, 0, acc, R, MB, &next);          \
+    for (int m = 0; m < MB; m++)                                                                                \
+      for (int r = 0; r < R; r++) res[m * R + r] = hsum(acc[m][r]) * s[r];                                     \
+  }
+TILE_INT8_INT16(tile_int8_int16, block_int8_int16)
+TILE_INT8_INT16(tile_int8_int16_vnni, block_int8_int16_vnni, VNNI)
 
 /* Exact: fp32 activations x [MB][ldx] (INT4: in the even/odd order), weights decoded 8 bytes at a time. */
 INLINE void tile_exact(const float *x, int64_t ldx, const uint8_t *w, int64_t row_bytes, const float *s,
@@ -369,6 +405,10 @@ typedef void (*tile_fn)(const problem *, const uint8_t *acts, int64_t n, float *
     tile_int4_int8_vnni(acts, p->l, W(p, n), p->row_bytes, p->s + n * p->l.blocks, res, R, MB);          \
   }
 #define Q8(R, MB) TILE(int8_int16, R, MB, tile_int8_int16(acts, p->l, W(p, n), p->row_bytes, p->s + n, res, R, MB))
+#define V8(R, MB)                                                                                     \
+  static VNNI void int8_vnni_##R##_##MB(const problem *p, const uint8_t *acts, int64_t n, float *res) { \
+    tile_int8_int16_vnni(acts, p->l, W(p, n), p->row_bytes, p->s + n, res, R, MB);                      \
+  }
 #define EX(B, R, MB)                                                                                               \
   TILE(exact##B, R, MB,                                                                                            \
        tile_exact((const float *)acts, p->kpad, W(p, n), p->row_bytes, p->s + n * (B == 4 ? p->kpad / GROUP : 1), \
@@ -380,6 +420,7 @@ typedef void (*tile_fn)(const problem *, const uint8_t *acts, int64_t n, float *
 Q4(8, 1) Q4(4, 1) Q4(2, 2) Q4(1, 1) Q4(1, 2) Q4(1, 3) Q4(1, 4)
 V4(8, 1) V4(4, 1) V4(4, 2) V4(2, 3) V4(2, 4) V4(1, 1) V4(1, 2) V4(1, 3) V4(1, 4)
 Q8(8, 1) Q8(4, 1) Q8(4, 2) Q8(2, 3) Q8(2, 4) Q8(1, 1) Q8(1, 2) Q8(1, 3) Q8(1, 4)
+V8(4, 2) V8(2, 3) V8(2, 4) V8(1, 2) V8(1, 3) V8(1, 4)
 EX(4, 4, 1) EX(4, 2, 2) EX(4, 2, 3) EX(4, 2, 4) EX(4, 1, 1) EX(4, 1, 2) EX(4, 1, 3) EX(4, 1, 4)
 EX(8, 4, 1) EX(8, 2, 2) EX(8, 2, 3) EX(8, 2, 4) EX(8, 1, 1) EX(8, 1, 2) EX(8, 1, 3) EX(8, 1, 4)
 
@@ -395,6 +436,12 @@ static const tiles INT4_VNNI = {{int4_vnni_8_1, int4_vnni_4_2, int4_vnni_2_3, in
 static const tiles INT8_INT16 = {{int8_int16_8_1, int8_int16_4_2, int8_int16_2_3, int8_int16_2_4},
                                  {int8_int16_1_1, int8_int16_1_2, int8_int16_1_3, int8_int16_1_4}, {8, 4, 2, 2},
                                  int8_int16_4_1};
+/* One activation row stays on the AVX2 tiles: streaming weights from DRAM, VNNI ones were 5-9% slower there
+ * on a Zen 5 (the AVX2 ones read at 90% of the probe's bandwidth); 2 rows: 1.1x at 1 thread, both at the
+ * bandwidth at 2; 4 rows: 1.65-2.1x, 2.3-2.5x in cache (bench/README.md, "INT8 tiles on AVX-512 VNNI"). The
+ * same outputs either way. */
+static const tiles INT8_VNNI = {{int8_int16_8_1, int8_vnni_4_2, int8_vnni_2_3, int8_vnni_2_4},
+                                {int8_int16_1_1, int8_vnni_1_2, int8_vnni_1_3, int8_vnni_1_4}, {8, 4, 2, 2}, int8_int16_4_1};
 static const tiles EXACT4 = {{exact4_4_1, exact4_2_2, exact4_2_3, exact4_2_4},
                              {exact4_1_1, exact4_1_2, exact4_1_3, exact4_1_4}, {4, 2, 2, 2}, exact4_4_1};
 static const tiles EXACT8 = {{exact8_4_1, exact8_2_2, exact8_2_3, exact8_2_4},
@@ -407,7 +454,10 @@ int qp_decode_rows(int want) { return choose_tiles(&decode_four, want, 1); }
 
 static void rows(const void *arg, int64_t n0, int64_t n1) {
   const problem *p = arg;
-  const tiles *t = p->mode == INT8 ? (p->vnni ? &INT4_VNNI : &INT4_INT8) : p->mode == INT16 ? &INT8_INT16 : p->bits == 4 ? &EXACT4 : &EXACT8;
+  const tiles *t = p->mode == INT8    ? (p->vnni ? &INT4_VNNI : &INT4_INT8)
+                   : p->mode == INT16 ? (p->vnni ? &INT8_VNNI : &INT8_INT16)
+                   : p->bits == 4     ? &EXACT4
+                                      : &EXACT8;
   const int64_t act_stride = p->mode == EXACT ? p->kpad * 4 : p->l.stride;
   float res[32];
   for (int64_t nb = n0; nb < n1; nb += 16) { /* 16 weight rows at a time: in cache while M repeats them */
@@ -431,13 +481,14 @@ static void rows(const void *arg, int64_t n0, int64_t n1) {
   }
 }
 
-/* Which INT4 x int8 tiles run: 0 the AVX2 ones, 1 the VNNI ones (`choose_tiles`; only on a CPU with AVX-512
- * F, BW, VL and VNNI). */
-static int use_vnni = -1;
-int qp_int4_vnni(int want) {
-  return choose_tiles(&use_vnni, want, __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                                           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"));
-}
+/* Which integer tiles run, INT4 x int8 (qp_int4_vnni) and INT8 x int16 (qp_int8_vnni): 0 the AVX2 ones, 1 the
+ * VNNI ones (`choose_tiles`; only on a CPU with AVX-512 F, BW, VL and VNNI). */
+#define HAS_VNNI                                                                                          \
+  (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") && \
+   __builtin_cpu_supports("avx512vnni"))
+static int use_vnni = -1, use_vnni8 = -1;
+int qp_int4_vnni(int want) { return choose_tiles(&use_vnni, want, HAS_VNNI); }
+int qp_int8_vnni(int want) { return choose_tiles(&use_vnni8, want, HAS_VNNI); }
 
 /* Bytes of scratch a call needs: fp32 rows [M][kpad] (EXACT), or integer rows [M][l.stride] then the one
  * fp32 row they are made from. */
@@ -455,7 +506,7 @@ int qp_linear(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const
   if (mode != EXACT && mode != (bits == 4 ? INT8 : INT16)) return -2;
   problem p = {.M = M, .N = N, .K = K, .row_bytes = bits == 4 ? kp / 2 : kp, .ldo = ldo, .bits = bits,
                .mode = mode, .otype = otype, .btype = btype, .w = w, .s = s, .bias = bias,
-               .out = out, .vnni = qp_int4_vnni(-1)};
+               .out = out, .vnni = bits == 4 ? qp_int4_vnni(-1) : qp_int8_vnni(-1)};
   p.kpad = padded_k(kp, bits, p.mode);
   p.l = layout(p.kpad, p.mode);
   int fresh;
