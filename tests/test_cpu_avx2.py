@@ -15,7 +15,7 @@ from kernel_tiles import on_tiles
 
 from quantpass.kernels import cpu_avx2
 from quantpass.metrics import sqnr
-from quantpass.quant_registry import quantize
+from quantpass.quant_registry import dequantize, quantize
 from quantpass.quant_registry.formats import unpack_int4
 from quantpass.quant_registry.keys import kInt4StaticGroup128Sym, kInt8StaticChannelSym
 
@@ -198,6 +198,31 @@ def test_decode_tile_heights_agree_bit_for_bit(bits, tiles):
                     with on_tiles(cpu_avx2.decode_tiles, decode):
                         outs.append(cpu_avx2.linear(x, qt.data, qt.scale, mode=mode))
                 assert torch.equal(*outs), (n, k, mode)
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_dequantize_rows_equal_quantpass_dequantize(bits):
+    """Any run of rows, every dtype, odd K (INT8's 8-column tail, INT4's padded group), 1 and 2 threads:
+    each value times its scale in fp32, rounded once, as `quant_registry.dequantize` gives it."""
+    threads = torch.get_num_threads()
+    try:
+        for n, k in ((67, 1000), (9, 300), (40, 129)):
+            qt = weight(n, k, bits, seed=n)
+            kp = qt.data.shape[1] * (2 if bits == 4 else 1)
+            full = F.pad(dequantize(qt, torch.float32), (0, kp - k))
+            for first, rows in ((0, n), (3, n - 5), (n - 1, 1)):
+                for dtype in cpu_avx2.DTYPES:
+                    for count in (1, 2):
+                        torch.set_num_threads(count)
+                        out = torch.full((rows, kp), float("nan"), dtype=dtype)
+                        assert cpu_avx2.dequantize(qt.data, qt.scale, first, out) is out
+                        assert torch.equal(out, full[first : first + rows].to(dtype)), (n, k, first, dtype, count)
+    finally:
+        torch.set_num_threads(threads)
+    qt = weight(9, 300, bits)
+    with pytest.raises(ValueError, match=r"dequantize: rows 5\.\.10 of data"):
+        cpu_avx2.dequantize(qt.data, qt.scale, 5, torch.empty(5, qt.data.shape[1] * (2 if bits == 4 else 1)))
 
 
 @needs_kernel

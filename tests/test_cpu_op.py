@@ -45,7 +45,7 @@ def test_fast_path_equals_the_python_op(key, dtype):
     format's limit (the kernel) and past it (dequantize + matmul through the Python op)."""
     gen = torch.Generator().manual_seed(0)
     qt = quantize(torch.randn(67, 300, generator=gen), key)
-    most = cpu.OURS_MAX_M[key]
+    most = cpu.LINEAR_MAX_M[key]
     for shape in [(1, 300), (3, 300), (2, 2, 300), (most, 300), (most + 1, 300), (2, most, 300)]:
         x = torch.randn(shape, generator=gen).to(dtype)
         for bias in (None, torch.randn(67, generator=gen).to(torch.bfloat16)):

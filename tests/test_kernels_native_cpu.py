@@ -19,7 +19,7 @@ from quantpass.kernels import torch_ops as native
 from quantpass.kernels.ops import key_arg, linear_call, prepare_weight
 from quantpass.kernels.oracle import Capability, Problem
 from quantpass.metrics import sqnr
-from quantpass.quant_registry import QTensor, quantize
+from quantpass.quant_registry import QTensor, dequantize, quantize
 from quantpass.quant_registry.formats import unpack_int4
 from quantpass.quant_registry.keys import (
     kFp8Dynamic128Sym,
@@ -120,7 +120,7 @@ def test_cpu_matches_reference(pair, dtype, m, n, k, int4_kernel):
 def test_cpu_switches_on_m_at_run_time(key, monkeypatch, int4_kernel):
     """Both sides of the switch: the kernel up to the threshold, dequantize + matmul above."""
     monkeypatch.setitem(cpu.KERNEL_MAX_M, key, 4)
-    monkeypatch.setitem(cpu.OURS_MAX_M, key, 4)
+    monkeypatch.setitem(cpu.LINEAR_MAX_M, key, 4)
     calls = []
     for name in ("_our_kernel", "_aten_kernel"):
         kernel = getattr(cpu, name)
@@ -135,6 +135,29 @@ def test_cpu_switches_on_m_at_run_time(key, monkeypatch, int4_kernel):
         check(cpu.linear(x, prepared, None, bias), x, w, qt, None, bias, FORMAT_FLOORS[(key, None)], floors)
     name = "_our_kernel" if int4_kernel == "avx2" else "_aten_kernel"
     assert calls == [(name, 1), (name, 4)]
+
+
+@pytest.mark.skipif(not cpu_avx2.available()[0], reason=f"our kernels can't run: {cpu_avx2.available()[1]}")
+@pytest.mark.parametrize("key", CPU_KEYS, ids=str)
+def test_large_m_matmul_in_chunks_equals_one_matmul(key, monkeypatch):
+    """Above the kernels' largest M the weight is dequantized a chunk of rows at a time into one buffer
+    per thread: chunks of 16 rows over N = 67 (a partial last chunk) give the one matmul on the whole
+    dequantized weight, and a second call reuses the buffer."""
+    gen = torch.Generator().manual_seed(0)
+    qt = quantize(torch.randn(67, 300, generator=gen), key)
+    prepared = cpu.prepare_weight("linear", qt)
+    dtype = torch.bfloat16 if cpu.NATIVE_LOW_PRECISION_MATMUL else torch.float32
+    kp = prepared.data.shape[1] * (2 if key == kInt4StaticGroup128Sym else 1)
+    monkeypatch.setattr(cpu, "CHUNK_BYTES", 16 * kp * dtype.itemsize)
+    monkeypatch.setattr(cpu, "_CHUNKS", type(cpu._CHUNKS)())
+    x = torch.randn(40, 300, generator=gen, dtype=torch.bfloat16)
+    got = cpu._large_m_matmul(x, prepared)
+    whole = F.pad(dequantize(qt, torch.float32), (0, kp - 300)).to(dtype)
+    want = F.linear(F.pad(x, (0, kp - 300)).to(dtype), whole)  # the same sums, maybe blocked otherwise
+    torch.testing.assert_close(got, want, rtol=2**-7, atol=1e-4)
+    buffer = cpu._CHUNKS.buffer
+    assert buffer.numel() == 16 * kp
+    assert torch.equal(cpu._large_m_matmul(x, prepared), got) and cpu._CHUNKS.buffer is buffer
 
 
 @pytest.mark.parametrize("key", CPU_KEYS, ids=str)
@@ -330,7 +353,7 @@ def test_cpu_int4_supports_per_kernel(int4_kernel):
     ok, why = cpu.supports("linear", CPU, kInt4StaticGroup128Sym, None, Problem(40, 256))
     if int4_kernel == "avx2":
         assert ok and why.startswith("INT4 on quantpass's AVX2 kernels") and "with int8 activations" in why
-        assert "for M <= 384, dequantize + matmul above" in why
+        assert f"for M <= {cpu.LINEAR_MAX_M[kInt4StaticGroup128Sym]}, dequantize + matmul above" in why
         why = cpu.supports("linear", CPU, kInt8StaticChannelSym, None, Problem(96, 300))[1]
         assert why.startswith("INT8 on quantpass's AVX2 kernels") and "with int16 activations" in why
     else:

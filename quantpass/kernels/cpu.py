@@ -6,7 +6,7 @@ quantpass's FP4 kernel (cpu_fp4.py) and every FP8 format on its FP8 kernel (cpu_
 - On x86-64 CPUs with AVX2 (AVX-512 ones too: faster than aten's there as well, measured) and no
   AMX: quantpass's own kernels (cpu_avx2.py, csrc/linear_avx2.c). They read the quantized weight as
   quantpass stores it: preparing copies nothing. They multiply on integer activations
-  (`ACTIVATION_MODES`) up to `OURS_MAX_M` rows, above that dequantize + one matmul.
+  (`ACTIVATION_MODES`) up to `LINEAR_MAX_M` rows, above that dequantize + matmul.
 - Elsewhere (or `QUANTPASS_CPU_KERNEL=0`, or no C compiler), aten's: INT8 per-channel
   `torch._weight_int8pack_mm(x, int8 [N, K], scales [N])`; INT4 group-128
   `torch._weight_int4pack_mm_for_cpu(x, packed, 128, scale_and_zeros [K/128, N, 2])` on
@@ -25,6 +25,7 @@ bandwidth limit", "MoE at decode", "Results: CPU").
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 import torch
@@ -73,16 +74,25 @@ ACTIVATION_MODES = {
     kInt8StaticChannelSym: ("int16", "exact integer products, 81-92 dB against fp32 activations"),
     kInt4StaticGroup128Sym: ("int8", "33-44 dB against fp32 activations, under INT4's own ~19 dB"),
 }
-# Largest M for our kernels, then dequantize + one matmul; and the same for aten's kernels. From
-# bench/cpu_m_sweep.py, tables in bench/README.md.
+# Largest M for our kernels (a MoE layer's tokens in one call, and rows per expert GEMM); largest M of a
+# linear on them, then dequantize + matmul (`_large_m_matmul`); and the same for aten's kernels. From
+# bench/cpu_m_sweep.py, tables in bench/README.md. A linear's: where the CPU multiplies bf16 natively, measured
+# on a Zen 5 with the chunked dequantize ("The matmul above the kernels' largest M"); elsewhere as measured
+# on an Ice Lake before it, when dequantizing cost 3-10x more (not re-measured there: the switch may be late).
 OURS_MAX_M = {kInt8StaticChannelSym: 384, kInt4StaticGroup128Sym: 384}
 KERNEL_MAX_M = {kInt8StaticChannelSym: 128, kInt4StaticGroup128Sym: 192}
 
+# `_large_m_matmul` dequantizes this many bytes of a weight at a time, into a buffer kept per thread
+CHUNK_BYTES = 8 << 20
+_CHUNKS = threading.local()
 # The matmul above the threshold runs in x.dtype only where the CPU multiplies bf16/fp16 natively
 # (AMX, AVX512-BF16); on AVX2 a bf16 GEMM is 5x slower than fp32 at M=32 (bench/README.md): upcast.
 NATIVE_LOW_PRECISION_MATMUL = bool(
     getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
     or getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)()
+)
+LINEAR_MAX_M = (
+    {kInt8StaticChannelSym: 48, kInt4StaticGroup128Sym: 128} if NATIVE_LOW_PRECISION_MATMUL else dict(OURS_MAX_M)
 )
 
 
@@ -110,10 +120,12 @@ def supports(kind, capability, weight, activation, problem) -> tuple[bool, str]:
     ours, name = cpu_avx2.available()
     if ours and weight in ACTIVATION_MODES:
         bits, (mode, accuracy) = BITS[weight], ACTIVATION_MODES[weight]
+        most = LINEAR_MAX_M[weight]
         if kind == Kind.MOE:  # `_moe_on_our_kernels`, up to the kernels' largest M
-            loop = f"one C call per layer for T <= {OURS_MAX_M[weight]} (per-expert loop above): "
+            most = OURS_MAX_M[weight]
+            loop = f"one C call per layer for T <= {most} (per-expert loop above): "
         return True, (
-            f"{loop}INT{bits} on {name} with {mode} activations ({accuracy}) for M <= {OURS_MAX_M[weight]}, "
+            f"{loop}INT{bits} on {name} with {mode} activations ({accuracy}) for M <= {most}, "
             f"dequantize + matmul above{fake}"
         )
     ops_ = KERNELS.get(weight)
@@ -134,7 +146,7 @@ def kernel_max_m(weight: QTensor) -> int:
     if weight.key in FORMAT_KERNELS:
         return FORMAT_KERNELS[weight.key].MAX_M
     if _on_our_kernel(weight):
-        return OURS_MAX_M[weight.key]
+        return LINEAR_MAX_M[weight.key]
     if weight.key == kInt4StaticGroup128Sym and _int4_layout() is None:
         return 1 << 62  # aten's INT4 layout can't be read back here: the kernel at every M
     return KERNEL_MAX_M[weight.key]
@@ -315,12 +327,36 @@ def _contiguous(weight: QTensor) -> QTensor:
 
 
 def _large_m_matmul(x: torch.Tensor, weight: QTensor) -> torch.Tensor:
-    """Above the kernels' largest M: one matmul on the dequantized weight (INT8's scale after it)."""
+    """Above the kernels' largest M: a matmul on the dequantized weight. On our kernels' layout, the weight
+    is dequantized CHUNK_BYTES at a time into a buffer kept per thread (csrc's qp_dequantize), each chunk
+    multiplied into its columns of the output: a fresh full-size dequantized weight paid its page faults on
+    every call (16 ms of a 4096x4096 INT8 weight's 17.5 ms, 2 ms once touched: bench/README.md, "The matmul
+    above the kernels' largest M"). aten's layout: the whole weight, INT8's scale after the matmul."""
     dtype = x.dtype if NATIVE_LOW_PRECISION_MATMUL else torch.float32
     x = _padded(x, weight).to(dtype)
+    if _on_our_kernel(weight):
+        n, kp = weight.data.shape[0], x.shape[-1]
+        rows = max(1, CHUNK_BYTES // (kp * dtype.itemsize))
+        out = x.new_empty(x.shape[0], n)
+        for first in range(0, n, rows):
+            count = min(rows, n - first)
+            chunk = cpu_avx2.dequantize(
+                weight.data, weight.scale, first, _chunk_buffer(count * kp, dtype).view(count, kp)
+            )
+            torch.mm(x, chunk.t(), out=out[:, first : first + count])
+        return out
     if weight.key == kInt8StaticChannelSym:  # a per-channel scale commutes with the matmul: scale [M, N]
         return F.linear(x, weight.data.to(dtype)) * weight.scale.reshape(-1).to(dtype)
     return F.linear(x, dequantize_int4(weight, dtype))
+
+
+def _chunk_buffer(elements: int, dtype: torch.dtype) -> torch.Tensor:
+    """This thread's buffer for `_large_m_matmul`'s dequantized chunks, grown to `elements` of `dtype` (at
+    most CHUNK_BYTES, or one row where a row is larger)."""
+    buffer = getattr(_CHUNKS, "buffer", None)
+    if buffer is None or buffer.dtype != dtype or buffer.numel() < elements:
+        buffer = _CHUNKS.buffer = torch.empty(elements, dtype=dtype)
+    return buffer[:elements]
 
 
 def dequantize_prepared(weight: QTensor, dtype: torch.dtype) -> torch.Tensor:
@@ -374,13 +410,15 @@ def _on_our_kernel(weight: QTensor) -> bool:
 
 
 # weight key -> (bits, activation mode, most rows, the activation key a MoE layer quantizes per token in
-# qp_moe or ""): our kernels' table, for `_moe_experts` and the graph ops (cpu_graph.py, and in C++)
+# qp_moe or "", most rows of a linear): our kernels' table, for `_moe_experts` and the graph ops (cpu_graph.py,
+# and in C++)
 _FAST = {
     str(key): (
         BITS[key],
         cpu_avx2.MODES[ACTIVATION_MODES[key][0]],
         OURS_MAX_M[key],
         next((str(a) for a in ACTIVATIONS.get(key, ()) if a is not None), ""),
+        LINEAR_MAX_M[key],
     )
     for key in ACTIVATION_MODES
 }

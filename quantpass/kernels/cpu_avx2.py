@@ -117,6 +117,27 @@ def linear(
     return out
 
 
+def dequantize(data: torch.Tensor, scale: torch.Tensor, first: int, out: torch.Tensor) -> torch.Tensor:
+    """Rows `first` .. `first + len(out) - 1` of the weight `linear` reads (data, scale as there, contiguous),
+    dequantized into `out` [rows, Kp] (fp32/bf16/fp16, contiguous): each value times its scale in fp32,
+    rounded once. Returns `out`."""
+    lib, ok, reason = _library()
+    if not ok:
+        raise RuntimeError(f"quantpass's CPU kernels can't run: {reason}")
+    bits = 4 if data.dtype == torch.uint8 else 8
+    kp = data.shape[1] * 2 if bits == 4 else data.shape[1]
+    rows = out.shape[0]
+    if out.shape != (rows, kp) or out.dtype not in DTYPES or not out.is_contiguous() or not 0 <= first <= first + rows <= data.shape[0]:  # fmt: skip
+        raise ValueError(
+            f"dequantize: rows {first}..{first + rows} of data {tuple(data.shape)} into out {out.dtype} {tuple(out.shape)}"
+        )
+    if not (data.is_contiguous() and scale.is_contiguous() and scale.dtype == torch.float32):
+        raise ValueError(f"dequantize wants contiguous data and fp32 scales; got {scale.dtype}")
+    lib.qp_dequantize(data.data_ptr(), scale.data_ptr(), first, rows, kp, bits, out.data_ptr(), DTYPES[out.dtype],
+                      torch.get_num_threads())  # fmt: skip
+    return out
+
+
 def output(out: torch.Tensor | None, m: int, n: int, dtype: torch.dtype, name: str) -> torch.Tensor:
     """A kernel's destination: `out` checked (contiguous [m, n] fp32/bf16/fp16), or a new [m, n] of `dtype`."""
     if out is None:
@@ -154,7 +175,7 @@ def moe_experts(fast, activation_key: str, w13_data, w13_scale, w2_data, w2_scal
     where these kernels can't run them. `fast`: the weight key's row of the cpu backend's kernels' table
     (bits, mode, most rows, the activation key quantized per token or "")."""
     lib = library()
-    bits, mode, _, per_token_key = fast
+    bits, mode, _, per_token_key, _ = fast
     if lib is None or (activation_key and activation_key != per_token_key):
         return None
     if not stacked(w13_data, w13_scale, w2_data, w2_scale):
@@ -311,6 +332,8 @@ def with_signatures(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.qp_linear.argtypes, lib.qp_linear.restype = _ARGS, ctypes.c_int
     lib.qp_moe.argtypes, lib.qp_moe.restype = _MOE_ARGS, ctypes.c_int
     lib.qp_scratch_bytes.argtypes, lib.qp_scratch_bytes.restype = (I64, I64, I32, I32), I64
+    if hasattr(lib, "qp_dequantize"):  # not in builds of older sources (bench/kernel_ab.py)
+        lib.qp_dequantize.argtypes, lib.qp_dequantize.restype = (P, P, I64, I64, I64, I32, P, I32, I32), I32
     lib.qp_int4_vnni.argtypes, lib.qp_int4_vnni.restype = (I32,), I32
     if hasattr(lib, "qp_int8_vnni"):  # not in builds of older sources (bench/kernel_ab.py)
         lib.qp_int8_vnni.argtypes, lib.qp_int8_vnni.restype = (I32,), I32

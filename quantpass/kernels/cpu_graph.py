@@ -76,7 +76,7 @@ def _graph_linear(
             and w_scale.is_contiguous()
             and (bias is None or bias.is_contiguous())
         ):
-            bits, mode, most, _ = fast
+            bits, mode, _, _, most = fast
             shape = x.shape
             rows = x if len(shape) == 2 else x.reshape(-1, shape[-1])
             m, k = rows.shape

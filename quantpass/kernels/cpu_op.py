@@ -113,12 +113,12 @@ def _load(tables: Tables):
         logger.warning("building quantpass's C++ graph op failed, graphs use the Python one: %s", detail[-500:])
         return None, f"building csrc/{SOURCE.name} with {compiler} failed"
     keys = [key for key, _ in tables.fast]
-    bits, modes, most, per_token = ([row[i] for _, row in tables.fast] for i in range(4))
+    bits, modes, most, per_token, linear_most = ([row[i] for _, row in tables.fast] for i in range(5))
     address, moe_address = cpu_avx2.addresses(cpu_avx2.library(), "qp_linear", "qp_moe")
     layouts = [str(layout) for layout in GATE_UP_LAYOUTS]
     activations = [str(activation) for activation in MOE_ACTIVATIONS]
     format_keys, format_rows = [key for key, _ in tables.formats], [v for _, row in tables.formats for v in row]
-    args = (address, moe_address, keys, bits, modes, most, per_token, AMAX_EPS, activations, layouts, tables.fp8[0],
+    args = (address, moe_address, keys, bits, modes, most, per_token, linear_most, AMAX_EPS, activations, layouts, tables.fp8[0],
             tables.fp4[0], tables.fp8[1], tables.fp4[1], format_keys, format_rows)  # fmt: skip
     torch.ops.quantpass._cpu_op_setup(*args)
     torch.library.register_fake("quantpass::linear_cpu_cxx")(fake_linear)

@@ -524,6 +524,73 @@ int qp_linear(const void *x, int64_t ldx, int xtype, int64_t M, int64_t K, const
   return 0;
 }
 
+/* ---- dequantized rows, for the matmul above the kernels' largest M ---- */
+
+/* 8 floats to out[i .. i + 7] of `type`, each rounded as `store` rounds it */
+INLINE void store8(void *out, int type, int64_t i, __m256 v) {
+  if (type == F32) {
+    _mm256_storeu_ps((float *)out + i, v);
+    return;
+  }
+  __m128i h;
+  if (type == F16) {
+    h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+  } else { /* bf16: + 0x7FFF + the kept lowest bit, then the top half; a NaN made quiet instead */
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i up = _mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF),
+                                                            _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1))));
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    const __m256i bits = _mm256_srli_epi32(_mm256_blendv_epi8(up, _mm256_or_si256(u, _mm256_set1_epi32(0x00400000)), nan), 16);
+    h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(bits, bits), 0xD8));
+  }
+  _mm_storeu_si128((__m128i *)((uint16_t *)out + i), h);
+}
+
+typedef struct {
+  const uint8_t *w;
+  const float *s;
+  int64_t first, kp, row_bytes, groups;
+  int bits, otype;
+  void *out;
+} dequant_job;
+
+static void dequant_rows(const void *arg, int64_t n0, int64_t n1) {
+  const dequant_job *j = arg;
+  const __m256i low4 = _mm256_set1_epi32(0xF), eight = _mm256_set1_epi32(8);
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t *w = j->w + (j->first + n) * j->row_bytes;
+    const float *s = j->s + (j->first + n) * j->groups;
+    const int64_t o = n * j->kp;
+    if (j->bits == 4) { /* 8 bytes: codes of columns k, k + 1, ..., k + 15 in low, high, low, ... nibbles */
+      for (int64_t k = 0; k < j->kp; k += 16) {
+        const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(w + k / 2)));
+        const __m256 scale = _mm256_set1_ps(s[k / GROUP]);
+        const __m256 lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(v, low4), eight)), scale);
+        const __m256 hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(v, 4), eight)), scale);
+        const __m256 a = _mm256_unpacklo_ps(lo, hi), b = _mm256_unpackhi_ps(lo, hi); /* per 128-bit lane */
+        store8(j->out, j->otype, o + k, _mm256_permute2f128_ps(a, b, 0x20));
+        store8(j->out, j->otype, o + k + 8, _mm256_permute2f128_ps(a, b, 0x31));
+      }
+      continue;
+    }
+    const __m256 scale = _mm256_set1_ps(s[0]);
+    int64_t k = 0;
+    for (; k + 8 <= j->kp; k += 8)
+      store8(j->out, j->otype, o + k,
+             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + k)))), scale));
+    for (; k < j->kp; k++) store(j->out, j->otype, o + k, (float)(int8_t)w[k] * s[0]);
+  }
+}
+
+/* Rows first .. first + rows - 1 of a weight as qp_linear reads it (w, s, kp, bits as there), dequantized into
+ * out [rows, kp] of `otype`: each weight's value times its scale, in fp32, rounded once. Returns 0. */
+int qp_dequantize(const uint8_t *w, const float *s, int64_t first, int64_t rows, int64_t kp, int bits, void *out,
+                  int otype, int threads) {
+  const dequant_job j = {w, s, first, kp, bits == 4 ? kp / 2 : kp, bits == 4 ? kp / GROUP : 1, bits, otype, out};
+  parallel_rows(dequant_rows, &j, rows, kp, threads);
+  return 0;
+}
+
 /* ---- a MoE layer (moe_layer.h) on the kernels above ---- */
 
 typedef struct { /* E experts' weights [E, N, kp] as qp_linear reads each (N: the GEMM's) */

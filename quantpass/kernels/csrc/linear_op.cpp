@@ -11,7 +11,7 @@
 //
 // `quantpass::_cpu_op_setup` hands over, once, the kernels' entry points (qp_linear's and qp_moe's
 // addresses), the table of weight keys the kernels run (key -> (bits, mode, most rows, the activation key
-// a MoE layer quantizes per token in qp_moe or "")), quantpass's AMAX_EPS, the MoE activations and
+// a MoE layer quantizes per token in qp_moe or "", most rows of a linear)), quantpass's AMAX_EPS, the MoE activations and
 // gate/up layouts in qp_moe's order, and the format kernels' (csrc/linear_fp8.c's qp_linear_fp8 and
 // qp_moe_fp8, csrc/linear_fp4.c's qp_linear_fp4 and qp_moe_fp4; 0 where one is not built) with their
 // table: "weight key|activation key" -> a `Format` row (kernels/cpu_graph.py's graph_tables).
@@ -70,6 +70,7 @@ struct Fast {
   int bits, mode;
   int64_t most;           // the most activation rows the kernels take for this format
   std::string per_token;  // the activation key a MoE layer of it quantizes per token in qp_moe ("": none)
+  int64_t linear_most;    // the most activation rows of a linear (then dequantize + matmul, in Python)
 };
 
 // A (weight key, activation key) pair a format kernel runs, as kernels/cpu_graph.py's graph_tables gives it.
@@ -109,16 +110,19 @@ int type_code(c10::ScalarType type) {  // csrc/linear_avx2.c's F32, BF16, F16; -
 
 void setup(int64_t address, int64_t moe_address, std::vector<std::string> keys, std::vector<int64_t> bits,
            std::vector<int64_t> modes, std::vector<int64_t> most, std::vector<std::string> per_token,
-           double amax_eps, std::vector<std::string> moe_activations, std::vector<std::string> gate_up_layouts,
+           std::vector<int64_t> linear_most, double amax_eps, std::vector<std::string> moe_activations,
+           std::vector<std::string> gate_up_layouts,
            int64_t fp8_address, int64_t fp4_address, int64_t fp8_moe_address, int64_t fp4_moe_address,
            std::vector<std::string> format_keys, std::vector<int64_t> format_rows) {
   TORCH_CHECK(keys.size() == bits.size() && keys.size() == modes.size() && keys.size() == most.size() &&
-                  keys.size() == per_token.size(),
-              "quantpass::_cpu_op_setup: keys, bits, modes, most and per_token must have one entry per key");
+                  keys.size() == per_token.size() && keys.size() == linear_most.size(),
+              "quantpass::_cpu_op_setup: keys, bits, modes, most, per_token and linear_most must have one entry per "
+              "key");
   TORCH_CHECK(format_rows.size() == format_keys.size() * FORMAT_FIELDS, "quantpass::_cpu_op_setup: ",
               FORMAT_FIELDS, " format_rows per format key");
   fast.clear();
-  for (size_t i = 0; i < keys.size(); i++) fast[keys[i]] = Fast{(int)bits[i], (int)modes[i], most[i], per_token[i]};
+  for (size_t i = 0; i < keys.size(); i++)
+    fast[keys[i]] = Fast{(int)bits[i], (int)modes[i], most[i], per_token[i], linear_most[i]};
   formats.clear();
   for (size_t i = 0; i < format_keys.size(); i++) {
     const int64_t *r = format_rows.data() + i * FORMAT_FIELDS;
@@ -225,7 +229,7 @@ at::Tensor linear(const at::Tensor &x, const at::Tensor &w_data, const at::Tenso
       w_scale.is_contiguous() && (!bias || bias->is_contiguous())) {
     const at::Tensor rows = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
     const auto found = entry && activation_key.empty() ? fast.find(std::string(weight_key)) : fast.end();
-    if (found != fast.end() && rows.size(0) <= found->second.most && rows.stride(1) == 1) {
+    if (found != fast.end() && rows.size(0) <= found->second.linear_most && rows.stride(1) == 1) {
       const Fast f = found->second;
       at::Tensor out = output(x, out_features);
       const int64_t kp = f.bits == 4 ? w_data.size(1) * 2 : w_data.size(1);
@@ -432,7 +436,7 @@ TORCH_LIBRARY_FRAGMENT(quantpass, m) {
       {at::Tag::needs_fixed_stride_order});
   m.def(
       "_cpu_op_setup(int address, int moe_address, str[] keys, int[] bits, int[] modes, int[] most, "
-      "str[] per_token, float amax_eps, str[] moe_activations, str[] gate_up_layouts, int fp8_address, "
+      "str[] per_token, int[] linear_most, float amax_eps, str[] moe_activations, str[] gate_up_layouts, int fp8_address, "
       "int fp4_address, int fp8_moe_address, int fp4_moe_address, str[] format_keys, int[] format_rows) -> ()",
       &setup);
 }
