@@ -23,7 +23,7 @@ UNREACHED = (
     "graph break it could not resume from, e.g. one inside a loop); left unquantized"
 )
 UNMATCHED = (
-    "its weight is in a compiled graph, read by no linear the pass knows (e.g. a bmm on a view of it); left unquantized"
+    "its weight is in a compiled graph, read by no linear the pass knows (e.g. an einsum on it); left unquantized"
 )
 
 

@@ -513,16 +513,89 @@ def test_every_linear_of_the_model_has_a_row():
     assert [(r.fqn, r.quantized) for r in planned.rows] == [(fqn, r.quantized) for fqn, r in rows.items()]
 
 
+class WeightOnTheLeft(nn.Module):
+    """Linears written with the weight on the left: Mamba's `dt_proj.weight @ x.transpose(1, 2)`, the
+    same with a weight stored [K, N] (`w.T @ x`), and a matrix-vector product."""
+
+    def __init__(self):
+        super().__init__()
+        self.dt = nn.Linear(48, 32)
+        self.kn = nn.Parameter(torch.randn(32, 40) / 6)
+        self.vec = nn.Parameter(torch.randn(24, 40) / 6)
+
+    def forward(self, x):  # [B, L, 48]
+        h = self.dt.weight @ x.transpose(1, 2)  # [B, 32, L]
+        h = torch.matmul(self.kn.T, torch.relu(h))  # [B, 40, L]
+        return h.sum(-1) @ self.vec.T + self.vec @ h[0, :, 0]  # the vector: [24]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("lowering", ["aot_eager", "inductor"])
+def test_a_weight_on_the_left_is_a_linear(fmt, lowering):
+    """`W @ x` was no linear site: Mamba's dt_proj stayed unquantized, "read by no linear the pass
+    knows". Now it is the linear of x's last two dims swapped; outputs match eager at two lengths."""
+    model = WeightOnTheLeft().eval()
+    eager = copy.deepcopy(model)  # quantizing frees the compiled model's original weights
+    m, backend = compiled(model, fmt, lowering=lowering)
+    with torch.no_grad():
+        for length in (7, 12):  # the second length recompiles with a dynamic L
+            x = torch.randn(3, length, 48)
+            assert cosine(eager(x), m(x)) > FLOOR[fmt]
+    rows = {(row.fqn, row.quantized) for row in backend.plan.rows}
+    assert rows == {("dt", True), ("kn", True), ("vec", True)}
+
+
 class GroupedLinear(nn.Linear):
-    """DeepSeek-V4's grouped output projection: each group of the input times its block of the weight."""
+    """DeepSeek-V4's grouped output projection (`DeepseekV4GroupedLinear`, its forward as written there):
+    each group of the input times its block of the weight's rows."""
+
+    def __init__(self, in_per_group, out_features, groups):
+        super().__init__(in_per_group, out_features, bias=False)
+        self.n_groups = groups
 
     def forward(self, x):
-        w = self.weight.view(2, -1, self.in_features).transpose(1, 2)
-        return torch.bmm(x.reshape(-1, 2, self.in_features).transpose(0, 1), w).transpose(0, 1).flatten(1)
+        input_shape, hidden_dim = x.shape[:-2], x.shape[-1]
+        w = self.weight.view(self.n_groups, -1, hidden_dim).transpose(1, 2)
+        x = x.reshape(-1, self.n_groups, hidden_dim).transpose(0, 1)
+        y = torch.bmm(x, w).transpose(0, 1)
+        return y.reshape(*input_shape, self.n_groups, -1)
+
+
+class GroupedThenMixed(nn.Module):
+    def __init__(self, groups=4, rows=24):
+        super().__init__()
+        self.o_a_proj = GroupedLinear(128, groups * rows, groups)
+        self.o_b_proj = nn.Linear(groups * rows, 16)
+
+    def forward(self, x):  # [B, L, groups, 128]
+        return self.o_b_proj(self.o_a_proj(x).flatten(2))
+
+
+@pytest.mark.parametrize("fmt", [*FORMATS, "fp8_per_block", "int4_weight_only"])
+@pytest.mark.parametrize("lowering", ["aot_eager", "inductor"])
+def test_a_grouped_linear_is_quantized_group_by_group(fmt, lowering):
+    """DeepSeek-V4's o_a_proj (a bmm on a view of the weight) was left unquantized: now one quantized
+    weight, G linears on its row slices. 24 rows a group split FP8's 128-row blocks (requantized per group)."""
+    model = GroupedThenMixed().eval()
+    eager = copy.deepcopy(model)
+    m, backend = compiled(model, fmt, lowering=lowering)
+    with torch.no_grad():
+        for length in (5, 9):
+            x = torch.randn(2, length, 4, 128)
+            assert cosine(eager(x), m(x)) > FLOOR.get(fmt, 0.99)
+    rows = {row.fqn: row for row in backend.plan.rows}
+    assert rows["o_a_proj"].quantized and rows["o_b_proj"].quantized
+    assert "4 groups of 24 rows" in rows["o_a_proj"].reason
+    assert rows["o_a_proj"].bytes < rows["o_a_proj"].original_bytes / 1.5
+
+
+class EinsumLinear(nn.Linear):
+    def forward(self, x):
+        return torch.einsum("bk,nk->bn", x, self.weight)
 
 
 def test_a_linear_read_as_no_linear_says_so():
-    model = nn.Sequential(GroupedLinear(16, 32), nn.Linear(32, 8)).eval()
+    model = nn.Sequential(EinsumLinear(32, 16), nn.Linear(16, 8)).eval()
     plan = qp.explain(model, torch.randn(4, 32), linear="int8_weight_only")
     rows = {row.fqn: row for row in plan.rows}
     assert rows["1"].quantized and not rows["0"].quantized

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 from ..patterns.attention import ProjectionSite
 from ..patterns.expert_parallel import ExpertParallelMoESite
+from ..patterns.grouped_linear import GroupedLinearSite
 from ..patterns.linear import LinearSite
 from ..patterns.moe import MoESite
 from ..patterns.moe_expert_gemms import ExpertGemmSite
 from ..patterns.site import Site
 from .lower_attention import ProjectionLowering
 from .lower_expert_gemms import ExpertGemmLowering
+from .lower_grouped_linear import GroupedLinearLowering
 from .lower_linear import LinearLowering
 from .lower_moe import ExpertParallelMoELowering, MoELowering
 from .lower_site import SiteLowering
 
 LOWERINGS: dict[type[Site], SiteLowering] = {
     LinearSite: LinearLowering(),
+    GroupedLinearSite: GroupedLinearLowering(),
     ProjectionSite: ProjectionLowering(),
     MoESite: MoELowering(),
     ExpertParallelMoESite: ExpertParallelMoELowering(),

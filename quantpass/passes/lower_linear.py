@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels import ops
+from ..patterns.fx_match import value
 from ..patterns.linear import LinearSite
 from ..quant_registry.names import Kind
 from .lower_site import SiteLowering
@@ -24,9 +25,15 @@ class LinearLowering(SiteLowering):
 
     def rewrite(self, site: LinearSite, graph, weights, spec, backend, device_type, differentiable=False):
         target = ops.linear_call(backend, device_type, differentiable)
+        swap = site.left and value(site.x).dim() > 1  # `W @ x` = (x^T @ W^T)^T over the last two dims
         with graph.inserting_before(site.node):
-            new = graph.call_function(target, self.op_args(site, site.x, weights[0], site.bias, spec, backend))
-        new.meta.update(site.node.meta)
+            x = _swapped(graph, site.x) if swap else site.x
+            new = graph.call_function(target, self.op_args(site, x, weights[0], site.bias, spec, backend))
+            new.meta.update(site.node.meta)
+            if swap:
+                _set_value(new, value(site.node).transpose(-2, -1))
+                new = _swapped(graph, new)
+                new.meta.update(site.node.meta)
         site.node.replace_all_uses_with(new)
         graph.erase_node(site.node)
         return new
@@ -45,3 +52,14 @@ class LinearLowering(SiteLowering):
         bias = inputs[1] if len(inputs) > 1 else None  # real activations come with the layer's bias
         tensors = ops.op_tensors(weights[0], spec, site.fqn)
         return target(*self.op_args(site, inputs[0], tensors, bias, spec, backend))
+
+
+def _swapped(graph, node):
+    """`node.transpose(-2, -1)`, its example value with it."""
+    swapped = graph.call_function(torch.transpose, (node, -2, -1))
+    _set_value(swapped, value(node).transpose(-2, -1))
+    return swapped
+
+
+def _set_value(node, example) -> None:
+    node.meta["val"] = node.meta["example_value"] = example

@@ -26,12 +26,15 @@ ADDMM_TARGETS = {torch.addmm}
 
 @dataclass
 class LinearSite(Site):
-    """A linear-like node: `node` computes `x @ W.T (+ bias)`; the rewrite replaces its value."""
+    """A linear-like node: `node` computes `x @ W.T (+ bias)`, or `W @ x` where `left` (Mamba's
+    `dt_proj.weight @ time_step.transpose(1, 2)`: the linear of `x`'s last two dims swapped, swapped
+    back); the rewrite replaces its value."""
 
     kind = Kind.LINEAR
     node: fx.Node | None = None  # the node whose value the quantized op replaces
     x: fx.Node | None = None
     bias: fx.Node | None = None
+    left: bool = False  # `W @ x`: features on x's second-to-last dim
 
     @property
     def output_node(self) -> fx.Node:
@@ -43,6 +46,10 @@ class LinearSite(Site):
 
     @property
     def input_nodes(self) -> list[fx.Node]:
+        """The activations verify probes, as rows of their last dim: none for `W @ x` (its features
+        are on x's dim -2), which verify checks on sample rows."""
+        if self.left:
+            return []
         return [self.x] if self.bias is None else [self.x, self.bias]
 
 
@@ -66,18 +73,22 @@ def _strip_transpose(node) -> tuple[fx.Node, bool]:
     return node, False
 
 
-def _match(node: fx.Node):
-    """(x, weight operand, weight is stored [K, N], bias) for a linear-like node, else None."""
+def _match(node: fx.Node, params=frozenset()):
+    """(x, weight operand, weight is stored [K, N], bias, weight on the left) for a linear-like node,
+    else None. `W @ x` is one where W (after a transpose) is a parameter (in `params`) and x is not."""
     if node.op != "call_function":
         return None
     if node.target in LINEAR_TARGETS:
-        return argument(node, 0, "input"), argument(node, 1, "weight"), False, argument(node, 2, "bias")
+        return argument(node, 0, "input"), argument(node, 1, "weight"), False, argument(node, 2, "bias"), False
     if node.target in MATMUL_TARGETS:
+        left, transposed_left = _strip_transpose(node.args[0])
+        if left in params and _strip_transpose(node.args[1])[0] not in params:
+            return node.args[1], left, transposed_left, None, True
         weight, transposed = _strip_transpose(node.args[1])
-        return node.args[0], weight, not transposed, None
+        return node.args[0], weight, not transposed, None, False
     if node.target in ADDMM_TARGETS and not {"beta", "alpha"} & set(node.kwargs):
         weight, transposed = _strip_transpose(node.args[2])
-        return node.args[1], weight, not transposed, node.args[0]
+        return node.args[1], weight, not transposed, node.args[0], False
     return None
 
 
@@ -115,9 +126,9 @@ def find_linear_sites(
     embedded = {n.args[1] for n in graph.nodes if n.op == "call_function" and n.target is F.embedding}
     sites = []
     for node in graph.nodes:
-        if node in claimed or (matched := _match(node)) is None:
+        if node in claimed or (matched := _match(node, params)) is None:
             continue
-        x, weight, stored_kn, bias = matched
+        x, weight, stored_kn, bias, left = matched
         ref = params.get(weight)
         value = weight.meta.get("example_value", weight.meta.get("val")) if isinstance(weight, fx.Node) else None
         if value is None or getattr(value, "dim", lambda: 0)() != 2:
@@ -136,9 +147,9 @@ def find_linear_sites(
             continue
         ref = ParamRef(ref.node, ref.index, ref.name, transposed=stored_kn)
         fqn = ref.name.removesuffix(".weight")
-        if weight in embedded or sum(_match(u) is not None for u in weight.users) > 1:
+        if weight in embedded or sum(_match(u, params) is not None for u in weight.users) > 1:
             fqn = _module_fqn(node, fqn)  # a shared (tied) weight: name the module that uses it here
-        site = LinearSite(fqn, [ref], Problem(int(n), int(k)), node=node, x=x, bias=bias)
+        site = LinearSite(fqn, [ref], Problem(int(n), int(k)), node=node, x=x, bias=bias, left=left)
         if weight in expert_linears:
             site.config_kind = Kind.MOE
             site.notes.append(f"expert of {expert_linears[weight]} (not a provable fused MoE): moe spec")
@@ -150,5 +161,6 @@ def find_linear_sites(
             site.default_ignore = "MoE router: its outputs pick experts"
         sites.append(site)
     from .attention import find_attention_sites  # its sites are linear sites: a cycle
+    from .grouped_linear import find_grouped_linear_sites
 
-    return sites + find_attention_sites(graph, params, claimed)
+    return sites + find_attention_sites(graph, params, claimed) + find_grouped_linear_sites(graph, params, claimed)

@@ -39,6 +39,15 @@ BART_LIKE = dict(
     init_std=STD,
     **IDS,
 )
+MAMBA = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_hidden_layers=2,
+    state_size=8,
+    expand=2,
+    time_step_rank=8,
+    initializer_range=STD,
+)
 ROUTER_SCALE = 4.0
 # Granite scales attention by 1/head_dim like its released checkpoints (the config's default 1.0
 # leaves scores unscaled). Their embedding x12 / residual x0.22 are left at 1.0: in two tiny layers
@@ -284,6 +293,9 @@ ARCHS = [
         ),
         ids,
     ),
+    # ---- state-space decoders (Mamba reads `dt_proj.weight @ x`: a linear with the weight on the left) ----
+    Arch("mamba", "decoder", _hf(AUTO_LM, tf.MambaConfig, **MAMBA), ids),
+    Arch("falcon_mamba", "decoder", _hf(AUTO_LM, tf.FalconMambaConfig, **MAMBA), ids),
     # ---- encoders ----
     Arch(
         "bert",
