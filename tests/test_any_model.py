@@ -589,6 +589,31 @@ def test_a_grouped_linear_is_quantized_group_by_group(fmt, lowering):
     assert rows["o_a_proj"].bytes < rows["o_a_proj"].original_bytes / 1.5
 
 
+def test_a_head_tied_across_a_graph_break_is_left_alone(caplog):
+    """XLM's LM head is tied to its input embedding, and a graph break puts them in separate graphs:
+    the head's graph saw no embedding, so the head was quantized against the default, the embedding's
+    storage freed, and every later graph read the embedding back from INT8 values (with a warning a
+    call). The tie is now read from the compiled model."""
+    from quantpass.weight_cache import WEIGHTS
+
+    torch.manual_seed(0)
+    config = transformers.XLMConfig(vocab_size=128, emb_dim=64, n_layers=2, n_heads=4, init_std=0.1)
+    model = transformers.XLMWithLMHeadModel(config).eval()
+    embedding = model.transformer.embeddings.weight
+    assert model.pred_layer.proj.weight is embedding
+    eager = copy.deepcopy(model)
+    m, backend = compiled(model)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="quantpass"):
+        for length in (9, 10):
+            ids = torch.randint(3, 128, (2, length))
+            assert cosine(eager(ids).logits, m(ids).logits) > FLOOR["int8_weight_only"]
+    heads = [row for row in backend.plan.rows if row.fqn == "pred_layer.proj"]
+    assert heads and all(not row.quantized and row.reason.startswith("weight tied to an embedding") for row in heads)
+    assert sum(row.quantized for row in backend.plan.rows) >= 12  # every other linear
+    assert not WEIGHTS.is_released(embedding)
+    assert not [r.getMessage() for r in caplog.records if "restoring it" in r.getMessage()]
+
+
 class EinsumLinear(nn.Linear):
     def forward(self, x):
         return torch.einsum("bk,nk->bn", x, self.weight)

@@ -35,6 +35,15 @@ def compiled_root() -> nn.Module | None:
     return None
 
 
+def embedding_weights() -> set[int]:
+    """The ids of the compiled model's embedding weights (none for a compiled function): a head tied to
+    one is tied also where the embedding runs in another graph. XLM has a graph break between them: its
+    head was quantized against the default, the embedding's storage freed, and every later graph read
+    the embedding back from the head's INT8 values."""
+    root = compiled_root()
+    return set() if root is None else {id(m.weight) for m in root.modules() if isinstance(m, nn.Embedding)}
+
+
 def frame_prefix(root: nn.Module, relative: dict[int, str], example_inputs) -> str:
     """The frame's module path in `root` plus a dot ("" at the root, or where it can't be told): the
     part every graph parameter's path in `root` has before its path in the frame. `relative`: graph

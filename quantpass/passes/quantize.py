@@ -35,7 +35,7 @@ from ..quant_registry.qtensor import QTensor
 from ..quant_registry.spec import QuantizationConfig, QuantSpec
 from ..weight_cache import WEIGHTS
 from .build import build_and_verify
-from .frame_names import name_from_the_model
+from .frame_names import embedding_weights, name_from_the_model
 from .fx_utils import add_placeholders, copy_graph, eliminate_dead_code, set_placeholder_values, state_changes
 from .lower import lowering_for
 from .lower_site import SiteLowering
@@ -101,7 +101,8 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
             PlanRow(fqn, Kind.MOE, None, None, None, f"left to the linear pass: {why}") for fqn, why in matches.unproven
         ]
     routing = {n for site in moe_sites for n in (getattr(site, "topk_ids", None), getattr(site, "topk_weights", None))}
-    sites = [*moe_sites, *find_linear_sites(graph, example_inputs, claimed, expert_linears, routing - {None})]
+    linears = find_linear_sites(graph, example_inputs, claimed, expert_linears, routing - {None}, embedding_weights())
+    sites = [*moe_sites, *linears]
     return adapt_sites(sites, example_inputs), rows + _unmatched_expert_weights(graph, example_inputs, sites)
 
 

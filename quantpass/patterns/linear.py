@@ -117,10 +117,12 @@ def _picks_experts(node: fx.Node) -> bool:
 
 
 def find_linear_sites(
-    graph: fx.Graph, example_inputs, claimed=frozenset(), expert_linears=None, routing=frozenset()
+    graph: fx.Graph, example_inputs, claimed=frozenset(), expert_linears=None, routing=frozenset(), tied=frozenset()
 ) -> list[LinearSite]:
     """Every linear-like node not inside a claimed (MoE) region, as a site or a skipped site; `routing`:
-    the proven MoE layers' top-k ids and weights (a linear feeding them is their router)."""
+    the proven MoE layers' top-k ids and weights (a linear feeding them is their router); `tied`: the ids
+    of the model's embedding weights (a linear reading one is a tied head, also where the embedding runs
+    in another graph)."""
     expert_linears = expert_linears or {}
     params = param_refs(graph, example_inputs)
     embedded = {n.args[1] for n in graph.nodes if n.op == "call_function" and n.target is F.embedding}
@@ -153,7 +155,7 @@ def find_linear_sites(
         if weight in expert_linears:
             site.config_kind = Kind.MOE
             site.notes.append(f"expert of {expert_linears[weight]} (not a provable fused MoE): moe spec")
-        if weight in embedded:
+        if weight in embedded or id(example_inputs[ref.index]) in tied:
             site.default_ignore = "weight tied to an embedding"
         elif fqn.split(".")[-1] == "lm_head":
             site.default_ignore = "output head (lm_head)"
