@@ -614,6 +614,22 @@ def test_a_head_tied_across_a_graph_break_is_left_alone(caplog):
     assert not [r.getMessage() for r in caplog.records if "restoring it" in r.getMessage()]
 
 
+def test_einsum_projections_of_a_dense_model_are_no_moe_layers():
+    """XLNet projects with `einsum("ibh,hnd->ibnd", x, q)` on 3-D weights: its plan counted them as MoE
+    layers of a dense model ("moe: 0 quantized | 10 skipped"). In a graph that routes no experts they
+    are linears, left unquantized with the equation named."""
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=128, d_model=64, n_layer=2, n_head=4, d_inner=128)
+    plan = qp.explain(transformers.XLNetLMHeadModel(config).eval(), torch.randint(3, 128, (2, 9)))
+    rows = {row.fqn: row for row in plan.rows}
+    projections = [f"transformer.layer.{i}.rel_attn.{p}" for i in range(2) for p in "qkvor"]
+    for name in projections:
+        assert rows[name].kind == "linear" and not rows[name].quantized
+        assert rows[name].reason.startswith("3-D weight read by einsum 'ib")
+    assert rows["transformer.layer.0.rel_attn.q"].reason.startswith("3-D weight read by einsum 'ibh,hnd->ibnd'")
+    assert all(row.kind == "linear" for row in plan.rows) and "moe" not in str(plan).splitlines()[-1]
+
+
 class EinsumLinear(nn.Linear):
     def forward(self, x):
         return torch.einsum("bk,nk->bn", x, self.weight)

@@ -24,8 +24,8 @@ import torch.fx as fx
 from ..distributed import adapt_sites, check_shards, local_tensor, normalize
 from ..kernels.ops import op_tensors
 from ..kernels.oracle import Capability, NoKernelError
-from ..patterns.fx_match import reaches
-from ..patterns.linear import find_linear_sites
+from ..patterns.fx_match import op_name, reaches
+from ..patterns.linear import find_linear_sites, picks_experts
 from ..patterns.site import ParamRef, Site, param_refs
 from ..plan import Plan, PlanRow
 from ..quant_registry.formats import dequantize, quantize
@@ -111,15 +111,26 @@ BATCHED_MATMULS = {torch.bmm, torch.matmul, operator.matmul, torch.baddbmm, torc
 
 def _unmatched_expert_weights(graph: fx.Graph, example_inputs, sites: list[Site]) -> list[PlanRow]:
     """A row for each 3-D parameter a batched matmul reads (within a few view ops) that no site holds
-    (say, a matmul rather than a bmm on it): such weights were missing from the plan, silently."""
+    (say, a matmul rather than a bmm on it): such weights were missing from the plan, silently. In a
+    graph that picks no experts it is no expert weight (XLNet's `einsum("ibh,hnd->ibnd", x, q)`
+    projections were counted as MoE layers of a dense model): a linear's row."""
     held = {ref.index for site in sites for ref in site.params}
+    routed = any(picks_experts(node) for node in graph.nodes)
     rows = []
     for node, ref in param_refs(graph, example_inputs).items():
         if ref.index in held or example_inputs[ref.index].dim() != 3:
             continue
-        if reaches(node, lambda u: u.target in BATCHED_MATMULS, 3):  # through a transpose / view / cast or two
+        reader = reaches(node, lambda u: u.target in BATCHED_MATMULS, 3)  # through a transpose / view / cast or two
+        if reader is None:
+            continue
+        if routed:
             reason = "3-D weight of a batched matmul outside the MoE forms quantpass recognises: left unquantized"
             rows.append(PlanRow(ref.name, Kind.MOE, None, None, None, reason))
+            continue
+        equation = reader.args[0]
+        form = op_name(reader) + (f" {equation!r}" if isinstance(equation, str) else "")
+        reason = f"3-D weight read by {form} in a graph that routes no experts: no linear form quantpass knows"
+        rows.append(PlanRow(ref.name, Kind.LINEAR, None, None, None, f"{reason}; left unquantized"))
     return rows
 
 

@@ -23,15 +23,15 @@ LINEAR_TARGETS = {torch._C._nn.linear, F.linear}
 ROUTER_HOPS = 6
 
 
-def reaches(node: fx.Node, found, hops: int, through=lambda node: True) -> bool:
-    """Whether a node `found` accepts is a user of `node` within `hops` steps, stepping on only through
-    nodes `through` accepts."""
+def reaches(node: fx.Node, found, hops: int, through=lambda node: True) -> fx.Node | None:
+    """The first node `found` accepts among the users of `node` within `hops` steps, stepping on only
+    through nodes `through` accepts; None if there is none (so: whether `node` reaches one)."""
     frontier = list(node.users)
     for _ in range(hops):
-        if any(found(u) for u in frontier):
-            return True
+        if (hit := next((u for u in frontier if found(u)), None)) is not None:
+            return hit
         frontier = [v for u in frontier if through(u) for v in u.users]
-    return False
+    return None
 
 
 def value(node):

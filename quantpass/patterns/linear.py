@@ -107,10 +107,11 @@ def _feeds_topk(node: fx.Node, hops: int = ROUTER_HOPS, routing=frozenset()) -> 
     however computed: PhiMoE's sparsemixer picks experts with max and masked_fill), within `hops` nodes
     is an MoE router; not through another linear (that one is the router: Llama 4's attention o_proj
     reached its router's topk through the residual add and the norm)."""
-    return reaches(node, lambda u: _picks_experts(u) or u in routing, hops, lambda u: u.target not in LINEAR_TARGETS)
+    found = reaches(node, lambda u: picks_experts(u) or u in routing, hops, lambda u: u.target not in LINEAR_TARGETS)
+    return found is not None
 
 
-def _picks_experts(node: fx.Node) -> bool:
+def picks_experts(node: fx.Node) -> bool:
     if node.target in (torch.topk, "topk"):
         return True
     return op_name(node) == "argmax" and any(op_name(user) == "one_hot" for user in node.users)
