@@ -11,6 +11,7 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 import transformers
 from tiny_models import Block
 
@@ -587,6 +588,43 @@ def test_a_grouped_linear_is_quantized_group_by_group(fmt, lowering):
     assert rows["o_a_proj"].quantized and rows["o_b_proj"].quantized
     assert "4 groups of 24 rows" in rows["o_a_proj"].reason
     assert rows["o_a_proj"].bytes < rows["o_a_proj"].original_bytes / 1.5
+
+
+class SharedExperts(nn.Module):
+    """Inkling's shared experts (`InklingSharedExperts`, its forward as written there): 3-D weights
+    under torch.bmm, every token through each expert, weighted by its gamma."""
+
+    def __init__(self, experts=2, hidden=64, inner=48):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(experts, inner, hidden) / 8)
+        self.up_proj = nn.Parameter(torch.randn(experts, inner, hidden) / 8)
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inner) / 7)
+
+    def forward(self, x, gammas):  # [B, L, H], [B, L, experts]
+        shape, experts = x.shape, self.gate_proj.shape[0]
+        x = x.reshape(1, -1, shape[-1]).expand(experts, -1, -1)
+        gammas = gammas.reshape(-1, experts, 1).transpose(0, 1)
+        gate = torch.bmm(x, self.gate_proj.transpose(1, 2))
+        up = torch.bmm(x, self.up_proj.transpose(1, 2))
+        down = torch.bmm(F.silu(gate) * up, self.down_proj.transpose(1, 2))
+        return (down * gammas).sum(0).reshape(shape)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_shared_experts_on_3d_weights_are_grouped_linears(fmt):
+    """Inkling's shared experts were left unquantized ("outside the MoE forms"): each 3-D weight is now
+    G linears, one per matrix; outputs match eager at two lengths, on Inductor."""
+    model = SharedExperts().eval()
+    eager = copy.deepcopy(model)
+    m, backend = compiled(model, fmt, lowering="inductor")
+    with torch.no_grad():
+        for length in (5, 8):
+            x, gammas = torch.randn(2, length, 64), torch.rand(2, length, 2)
+            assert cosine(eager(x, gammas), m(x, gammas)) > FLOOR[fmt]
+    rows = {row.fqn: row for row in backend.plan.rows}
+    assert set(rows) == {"gate_proj", "up_proj", "down_proj"}
+    assert all(row.quantized and row.kind == "linear" for row in rows.values())
+    assert "2 matrices of 48 rows" in rows["gate_proj"].reason
 
 
 def test_a_head_tied_across_a_graph_break_is_left_alone(caplog):

@@ -56,6 +56,23 @@ CONFIGS = {
         mlp_only_layers=[],
         norm_topk_prob=True,
     ),
+    # shared experts as a 3-D weight under torch.bmm (every token through each): grouped linears
+    "inkling": lambda: transformers.InklingTextConfig(
+        **COMMON,
+        head_dim=16,
+        swa_num_attention_heads=4,
+        swa_num_key_value_heads=2,
+        swa_head_dim=16,
+        sliding_window_size=8,
+        d_rel=4,
+        rel_extent=16,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=2,
+    ),
     "phimoe": lambda: transformers.PhimoeConfig(  # sparsemixer routing: max and masked_fill, no topk
         **COMMON, intermediate_size=64, num_hidden_layers=2, num_local_experts=4, num_experts_per_tok=2
     ),

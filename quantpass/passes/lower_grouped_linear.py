@@ -23,11 +23,12 @@ class GroupedLinearLowering(LinearLowering):
         return (site.groups,)
 
     def prepare(self, site: GroupedLinearSite, weights, spec, backend):
-        rows = site.problem.n
-        return [
-            ops.prepare_weight(backend, Kind.LINEAR, group_rows(weights[0], g * rows, (g + 1) * rows, site.fqn))
+        rows, weight = site.problem.n, weights[0]
+        groups = [
+            weight[g] if site.stacked else group_rows(weight, g * rows, (g + 1) * rows, site.fqn)
             for g in range(site.groups)
         ]
+        return [ops.prepare_weight(backend, Kind.LINEAR, group) for group in groups]
 
     def rewrite(self, site: GroupedLinearSite, graph, weights, spec, backend, device_type, differentiable=False):
         target = ops.linear_call(backend, device_type, differentiable)
@@ -48,7 +49,8 @@ class GroupedLinearLowering(LinearLowering):
 
     def run_original(self, site: GroupedLinearSite, inputs, values):
         """Sample rows through every group's weights: `[T, G * R]`."""
-        return F.linear(inputs[0], site.weight.matrix(values[0]).to(inputs[0].dtype))
+        weight = site.weight.matrix(values[0]).reshape(-1, site.problem.k)  # [G * R, K]
+        return F.linear(inputs[0], weight.to(inputs[0].dtype))
 
     def run_quantized(self, site: GroupedLinearSite, inputs, weights, spec, backend, device_type):
         target = ops.linear_call(backend, device_type)

@@ -25,6 +25,7 @@ from ..distributed import adapt_sites, check_shards, local_tensor, normalize
 from ..kernels.ops import op_tensors
 from ..kernels.oracle import Capability, NoKernelError
 from ..patterns.fx_match import op_name, reaches
+from ..patterns.grouped_linear import GroupedLinearSite
 from ..patterns.linear import find_linear_sites, picks_experts
 from ..patterns.site import ParamRef, Site, param_refs
 from ..plan import Plan, PlanRow
@@ -102,7 +103,8 @@ def find_sites(graph: fx.Graph, example_inputs) -> tuple[list[Site], list[PlanRo
         ]
     routing = {n for site in moe_sites for n in (getattr(site, "topk_ids", None), getattr(site, "topk_weights", None))}
     linears = find_linear_sites(graph, example_inputs, claimed, expert_linears, routing - {None}, embedding_weights())
-    sites = [*moe_sites, *linears]
+    held = {ref.index for site in moe_sites for ref in site.params}  # experts' 3-D weights: never grouped linears
+    sites = [*moe_sites, *(s for s in linears if not (isinstance(s, GroupedLinearSite) and s.weight.index in held))]
     return adapt_sites(sites, example_inputs), rows + _unmatched_expert_weights(graph, example_inputs, sites)
 
 

@@ -451,6 +451,7 @@ ARCHS = [
     Arch("lfm2_moe", "moe", _moe("lfm2_moe", "grouped_mm", torch.bfloat16), ids, moe=True),
     Arch("zaya", "moe", _moe("zaya", "grouped_mm", torch.bfloat16), ids, moe=True),
     Arch("deepseek_v4", "moe", _moe("deepseek_v4", "batched_mm", torch.float32, router_scale=16.0), ids, moe=True),
+    Arch("inkling", "moe", _moe("inkling", "grouped_mm", torch.bfloat16), ids, moe=True),
     # ---- plain torch ----
     Arch("sequential_mlp", "torch", _torch(SequentialMLP), activations()),
     Arch("deep_mlp", "torch", _torch(DeepMLP), activations()),
