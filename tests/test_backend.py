@@ -1,6 +1,7 @@
 """The quantpass Dynamo backend on linear layers, end to end on CPU (issue #3)."""
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -13,8 +14,8 @@ from tiny_models import Block, tiny_llama, token_ids
 
 import quantpass as qp
 from quantpass.backend import QuantpassBackend
-from quantpass.kernels import reference
-from quantpass.metrics import cosine
+from quantpass.kernels import ops, reference
+from quantpass.metrics import cosine, sqnr
 from quantpass.passes.fx_utils import op_counts
 from quantpass.passes.quantize_pass import QuantizePass
 from quantpass.quant_registry.spec import SHORTHANDS
@@ -207,6 +208,71 @@ def test_verify_catches_a_broken_kernel(monkeypatch):
         torch.compile(
             Block(), backend=qp.backend(linear="fp8_per_channel", backend="reference", lowering="eager", verify=False)
         )(torch.randn(2, 64))
+
+
+class CancellingHead(torch.nn.Module):
+    """A 2-output head whose inputs are nearly orthogonal to its weight rows: each output is ~1/20 of the
+    products it sums (CvT's 2-label classifier in FP8: 16.7 dB on its real activations, the kernel right)."""
+
+    def __init__(self):
+        super().__init__()
+        self.head = torch.nn.Linear(384, 2, bias=False)
+
+    def forward(self, x):
+        return self.head(x)
+
+
+def cancelling_inputs(head: torch.nn.Linear) -> torch.Tensor:
+    x = torch.randn(4, 384, generator=torch.Generator().manual_seed(0))
+    w = head.weight.detach()
+    along = torch.linalg.lstsq(w.T, x.T).solution.T @ w  # the part of each row the outputs see
+    return x - 0.95 * along
+
+
+def _fp8_head(model, x, **options):
+    torch._dynamo.reset()
+    backend = qp.backend(linear="fp8_per_channel", lowering="eager", **options)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(x)
+    return backend.plan.rows[0]
+
+
+def test_verify_keeps_a_layer_whose_format_loses_as_much_as_the_kernel(caplog):
+    """Below the floor on real activations, but the reference backend quantizing the same weights loses
+    as much and the kernel matches it: a warning naming the layer and both numbers, not an error."""
+    torch.manual_seed(0)
+    model = CancellingHead().eval()
+    x = cancelling_inputs(model.head)
+    exact = model(x).detach()
+    fake = F.linear(fake_fp8(x), fake_fp8(model.head.weight.detach()))
+    assert 10 < sqnr(exact, fake) < 20  # the format itself: between the pattern floor and the FP8 floor
+    with caplog.at_level(logging.WARNING, logger="quantpass"):
+        row = _fp8_head(model, x)
+    assert row.quantized and row.backend == "cpu"
+    assert "below the 20 dB floor as the format itself: the reference" in row.reason
+    assert any("layer 'head'" in r.getMessage() and "ignore" in r.getMessage() for r in caplog.records)
+
+
+def test_verify_still_catches_a_kernel_that_disagrees_with_the_reference(monkeypatch):
+    """The same layer with a kernel 30% off (above the pattern floor, far from the reference): raised."""
+    torch.manual_seed(0)
+    model = CancellingHead().eval()
+    x = cancelling_inputs(model.head)
+    call = ops.linear_call
+
+    def off(backend, device_type, differentiable=False):  # the cpu kernel 30% high, the reference right
+        op = call(backend, device_type, differentiable)
+        return op if backend == "reference" else lambda *args: op(*args) * 1.3
+
+    monkeypatch.setattr(ops, "linear_call", off)
+    with pytest.raises(Exception, match="QuantizationError: layer 'head'"):
+        _fp8_head(model, x)
+
+
+def fake_fp8(t: torch.Tensor) -> torch.Tensor:
+    """Per-row FP8 e4m3 fake quantization (the format's weights per channel, activations per token)."""
+    scale = t.abs().amax(-1, keepdim=True) / 448
+    return (t / scale).to(torch.float8_e4m3fn).float() * scale
 
 
 def test_tied_head_router_and_non_parameter_weights_are_reported():
