@@ -290,5 +290,6 @@ def explain(model, *example_inputs, config: QuantizationConfig | dict | None = N
 
     with torch.no_grad():
         torch.compile(model, backend=planner)(*example_inputs)
-    plan.rows += unreached_rows(model, plan)
+    if isinstance(model, torch.nn.Module):  # a function has no layers of its own to account for
+        plan.rows += unreached_rows(model, plan)
     return plan

@@ -710,3 +710,46 @@ class TwoRouters(nn.Module):
 
     def forward(self, x):
         return self.first(x) + self.second(x)
+
+
+def _tiny_clip():
+    text = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=16)
+    config = transformers.CLIPConfig(text_config=text, vision_config={**vision, "patch_size": 8}, projection_dim=16)
+    return transformers.CLIPModel(config), (torch.randint(0, 64, (2, 7)), torch.randn(2, 3, 16, 16))
+
+
+def _tiny_squeezebert():
+    groups = dict(q_groups=1, k_groups=1, v_groups=1, post_attention_groups=1, intermediate_groups=1, output_groups=1)
+    config = transformers.SqueezeBertConfig(
+        vocab_size=64, hidden_size=32, embedding_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, **groups,
+    )  # fmt: skip
+    return transformers.SqueezeBertModel(config), (torch.randint(0, 64, (2, 7)),)
+
+
+@pytest.mark.parametrize("make", [_tiny_clip, _tiny_squeezebert], ids=["clip", "squeezebert"])
+def test_rows_name_layers_not_products_of_activations(make):
+    """CLIP's `logits_per_text = text_embeds @ image_embeds.t()` had a row ("weight is not a
+    parameter"), and SqueezeBERT's key Conv1d weight, whose *output* reaches `matmul(query, key)`, one
+    saying "3-D weight read by matmul": rows for no linear layer. Every row now names a Linear."""
+    torch.manual_seed(0)
+    model, inputs = make()
+    plan = qp.explain(model.eval(), *inputs, linear="int8_weight_only")
+    linears = [name for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    assert sorted(row.fqn for row in plan.rows) == sorted(linears), plan
+    assert all(row.quantized for row in plan.rows), plan
+
+
+def test_a_weight_that_is_no_parameter_says_what_it_is():
+    """weight_norm's linear computes its weight in the graph: its row was named after the graph node
+    (`input_1`: a Sequential's child `L['fn'][0]` lost its index) and the layer got a second row "in
+    no compiled graph". A function's weight input made `explain` fail on the function's modules."""
+    model = nn.Sequential(nn.utils.parametrizations.weight_norm(nn.Linear(32, 16)), nn.Linear(16, 8)).eval()
+    rows = {row.fqn: row for row in qp.explain(model, torch.randn(4, 32), linear="int8_weight_only").rows}
+    assert sorted(rows) == ["0", "1"] and rows["1"].quantized
+    left = "left as the model computes it"
+    weights = "0.parametrizations.weight.original0, 0.parametrizations.weight.original1"
+    assert rows["0"].reason == f"weight is not a parameter: computed in the graph from {weights}; {left}"
+    plan = qp.explain(lambda x, w: x @ w.t(), torch.randn(4, 32), torch.randn(8, 32), linear="int8_weight_only")
+    assert [row.reason for row in plan.rows] == ["weight is an input of the compiled function, not a parameter"]

@@ -24,7 +24,7 @@ import torch.fx as fx
 from ..distributed import adapt_sites, check_shards, local_tensor, normalize
 from ..kernels.ops import op_tensors
 from ..kernels.oracle import Capability, NoKernelError
-from ..patterns.fx_match import op_name, reaches
+from ..patterns.fx_match import is_reshape, op_name, reaches
 from ..patterns.grouped_linear import GroupedLinearSite
 from ..patterns.linear import find_linear_sites, picks_experts
 from ..patterns.site import ParamRef, Site, param_refs
@@ -112,7 +112,7 @@ BATCHED_MATMULS = {torch.bmm, torch.matmul, operator.matmul, torch.baddbmm, torc
 
 
 def _unmatched_expert_weights(graph: fx.Graph, example_inputs, sites: list[Site]) -> list[PlanRow]:
-    """A row for each 3-D parameter a batched matmul reads (within a few view ops) that no site holds
+    """A row for each 3-D parameter a batched matmul reads (through a few views or casts) that no site holds
     (say, a matmul rather than a bmm on it): such weights were missing from the plan, silently. In a
     graph that picks no experts it is no expert weight (XLNet's `einsum("ibh,hnd->ibnd", x, q)`
     projections were counted as MoE layers of a dense model): a linear's row."""
@@ -122,7 +122,7 @@ def _unmatched_expert_weights(graph: fx.Graph, example_inputs, sites: list[Site]
     for node, ref in param_refs(graph, example_inputs).items():
         if ref.index in held or example_inputs[ref.index].dim() != 3:
             continue
-        reader = reaches(node, lambda u: u.target in BATCHED_MATMULS, 3)  # through a transpose / view / cast or two
+        reader = reaches(node, lambda u: u.target in BATCHED_MATMULS, 3, is_reshape)  # a conv's output is no weight
         if reader is None:
             continue
         if routed:

@@ -69,3 +69,11 @@ def argument(node: fx.Node, index: int, name: str | tuple[str, ...], default=Non
 
 def is_cast(node) -> bool:
     return isinstance(node, fx.Node) and op_name(node) in CASTS
+
+
+RESHAPES = {"view", "reshape", "unflatten", "transpose", "permute", "t", "unsqueeze", "squeeze", "expand", "getitem"}
+
+
+def is_reshape(node: fx.Node) -> bool:
+    """A view, transpose, index or cast of its input: the same values in another layout (`w.T` included)."""
+    return op_name(node) in RESHAPES | CASTS or (node.op == "call_function" and node.target is getattr)

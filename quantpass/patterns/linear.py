@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from ..problem import Problem
 from ..quant_registry.names import Kind
-from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument, is_cast, op_name, reaches
-from .site import ParamRef, Site, param_refs
+from .fx_match import LINEAR_TARGETS, ROUTER_HOPS, argument, is_cast, op_name, reaches, value
+from .site import ParamRef, Site, param_refs, source_fqn
 
 MATMUL_TARGETS = {operator.matmul, torch.matmul}
 ADDMM_TARGETS = {torch.addmm}
@@ -92,13 +92,47 @@ def _match(node: fx.Node, params=frozenset()):
     return None
 
 
+def _not_a_parameter(weight: fx.Node, params) -> str:
+    """Why a matmul's weight operand is no site's: a buffer, an input of the compiled function, or
+    computed in the graph (weight_norm's `g * v / |v|`), with the parameters it is computed from."""
+    if weight.op == "placeholder":
+        name = source_fqn(weight)
+        return f"weight is {f'the buffer {name}' if name else 'an input of the compiled function'}, not a parameter"
+    sources, seen, stack = [], set(), [weight]
+    while stack:
+        node = stack.pop()
+        for arg in node.all_input_nodes:
+            if arg not in seen:
+                seen.add(arg)
+                if arg in params:
+                    sources.append(params[arg].name)
+                else:
+                    stack.append(arg)
+    origin = f"from {', '.join(sorted(sources))}" if sources else "from no parameter"
+    return f"weight is not a parameter: computed in the graph {origin}; left as the model computes it"
+
+
+def _from_model_inputs(graph: fx.Graph, params) -> set[fx.Node]:
+    """The nodes computed from the model's inputs: tensor placeholders that are no module's parameter
+    or buffer, and everything that reads one."""
+    found = set()
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if node not in params and isinstance(value(node), torch.Tensor) and source_fqn(node) is None:
+                found.add(node)
+        elif any(arg in found for arg in node.all_input_nodes):
+            found.add(node)
+    return found
+
+
 def _module_fqn(node: fx.Node, fallback: str) -> str:
-    """The FQN of the innermost module the node ran in (`L['self'].model.layers[0].mlp` -> `model.layers.0.mlp`)."""
+    """The FQN of the innermost module the node ran in (`L['self'].model.layers[0].mlp` -> `model.layers.0.mlp`,
+    `L['fn'][0]` -> `0`: a Sequential's first child, `L['args'][0].mlp` -> `mlp`: a module passed in)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return fallback
     path = re.sub(r"\[(\d+)\]", r".\1", list(stack.values())[-1][0])
-    return re.sub(r"^L\['[^']*'\](\.\d+)*\.?", "", path) or fallback
+    return re.sub(r"^L\['args'\]\.\d+\.?|^L\['[^']*'\]\.?", "", path) or fallback  # `.0` after a module: its child
 
 
 def _feeds_topk(node: fx.Node, hops: int = ROUTER_HOPS, routing=frozenset()) -> bool:
@@ -127,21 +161,24 @@ def find_linear_sites(
     expert_linears = expert_linears or {}
     params = param_refs(graph, example_inputs)
     embedded = {n.args[1] for n in graph.nodes if n.op == "call_function" and n.target is F.embedding}
+    activations = _from_model_inputs(graph, params)
     sites = []
     for node in graph.nodes:
         if node in claimed or (matched := _match(node, params)) is None:
             continue
         x, weight, stored_kn, bias, left = matched
         ref = params.get(weight)
-        value = weight.meta.get("example_value", weight.meta.get("val")) if isinstance(weight, fx.Node) else None
-        if value is None or getattr(value, "dim", lambda: 0)() != 2:
+        if ref is None and weight in activations and weight.op != "placeholder":
+            continue  # a product of two activations (CLIP's `text_embeds @ image_embeds.t()`): no layer
+        stored = value(weight)
+        if not isinstance(stored, torch.Tensor) or stored.dim() != 2:
             continue  # not a matrix product with a 2-D weight
-        n, k = (value.shape[1], value.shape[0]) if stored_kn else tuple(value.shape)
+        n, k = (stored.shape[1], stored.shape[0]) if stored_kn else tuple(stored.shape)
         if ref is None:
             fqn = _module_fqn(node, node.name)
-            reason = "weight is not a parameter (computed in the graph or a buffer)"
+            reason = _not_a_parameter(weight, params)
             if is_cast(weight) and (source := params.get(weight.args[0])) is not None:  # DeepSeek-V4's mixing
-                reason = f"weight is {source.name} cast to {value.dtype} in the graph: left as the model computes it"
+                reason = f"weight is {source.name} cast to {stored.dtype} in the graph: left as the model computes it"
                 if source.name.endswith(".weight"):  # a Linear's weight read by its owner: the Linear's row
                     fqn = source.name.removesuffix(".weight")
             if _feeds_topk(node, routing=routing):  # DeepSeek-V2's: F.linear(x.float(), w.float())
