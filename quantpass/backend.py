@@ -22,7 +22,7 @@ from .passes.frame_names import compiled_root
 from .passes.quantize import Binding
 from .passes.quantize_pass import QuantizePass
 from .plan import Plan
-from .plan_coverage import unreached_rows
+from .plan_coverage import unreached_rows, with_weight_states
 from .quant_registry.spec import QuantizationConfig
 from .weight_cache import WEIGHTS, install_eager_guard, return_freed_memory
 from .weights import graph_owners, hook_owners
@@ -110,7 +110,7 @@ class QuantizedGraph:
                     "restoring it from its quantized value (pass keep_original_weights=True to keep originals)",
                     tuple(args[index].shape),
                 )
-                WEIGHTS.restore(args[index])
+                WEIGHTS.restore(args[index], "read unquantized by a graph")
         self.checked[id(args[self.raw_params[0]])] = WEIGHTS.release_epoch
 
 
@@ -143,6 +143,7 @@ class QuantpassBackend:
             merged.extend(plan)
         for root in list(self.roots):
             merged.rows += unreached_rows(root, merged)
+            with_weight_states(root, merged)
         return merged
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):

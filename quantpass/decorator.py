@@ -26,7 +26,7 @@ import torch
 from .backend import BackendOptions, QuantpassBackend, experts_warning
 from .debug import depyf_session
 from .plan import Plan
-from .plan_coverage import unreached_rows
+from .plan_coverage import unreached_rows, with_weight_states
 
 logger = logging.getLogger("quantpass")
 
@@ -181,6 +181,7 @@ def _plan(self) -> Plan | None:
     for plan in state["plans"].values():
         merged.extend(plan)
     merged.rows += unreached_rows(self, merged)
+    with_weight_states(self, merged)
     return merged
 
 

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 
 from .quant_registry.names import Kind
 
+# How a quantized row ends where its layer holds other weights than it says (`plan_coverage`)
+RESTORED, NOT_RUN = "eager calls run on them", "not run yet: its weights are quantized on its first call"
+
 
 @dataclass
 class PlanRow:
@@ -45,17 +48,28 @@ class Plan:
         return [r for r in self.rows if r.quantized and kind in (None, r.kind)]
 
     def summary(self) -> str:
-        """e.g. `linear: 28 quantized (fp8_per_block, triton 28) | 2 skipped | moe: 2 quantized (...)`."""
+        """e.g. `linear: 28 quantized (fp8_per_block; triton 28) | 2 skipped | moe: 2 quantized (...)`.
+        Counts layers: a layer called more than once (ALBERT's shared layer) has a row per call and
+        counts once, quantized where every call is; `N calls` says how many rows that was, and the
+        counts of layers that ran on weights restored to full precision or have not run yet follow."""
         parts = []
         for kind in Kind:
-            rows = [r for r in self.rows if r.kind == kind]
-            if not rows:
+            layers: dict[str, list[PlanRow]] = {}
+            for row in self.rows:
+                if row.kind == kind:
+                    layers.setdefault(row.fqn, []).append(row)
+            if not layers:
                 continue
-            done = [r for r in rows if r.quantized]
-            formats = ", ".join(sorted({r.format for r in done if r.format}))
-            backends = ", ".join(f"{b} {n}" for b, n in sorted(Counter(r.backend for r in done).items()))
-            detail = f" ({formats}; {backends})" if done else ""
-            parts.append(f"{kind}: {len(done)} quantized{detail} | {len(rows) - len(done)} skipped")
+            done = [rows for rows in layers.values() if all(r.quantized for r in rows)]
+            formats = ", ".join(sorted({r.format for rows in done for r in rows if r.format}))
+            backends = ", ".join(f"{b} {n}" for b, n in sorted(Counter(rows[0].backend for rows in done).items()))
+            calls = sum(map(len, done))
+            states = [f"{calls} calls"] if calls > len(done) else []
+            for end, said in ((RESTORED, "with weights restored for eager calls"), (NOT_RUN, "not run yet")):
+                if n := sum(any(r.reason.endswith(end) for r in rows) for rows in done):
+                    states.append(f"{n} {said}")
+            detail = f" ({'; '.join([formats, backends, *states])})" if done else ""
+            parts.append(f"{kind}: {len(done)} quantized{detail} | {len(layers) - len(done)} skipped")
         return " | ".join(parts) if parts else "no linear or moe layers found"
 
     def table(self) -> str:

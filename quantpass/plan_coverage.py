@@ -14,8 +14,9 @@ import dataclasses
 
 import torch.nn as nn
 
-from .plan import Plan, PlanRow
+from .plan import NOT_RUN, RESTORED, Plan, PlanRow
 from .quant_registry.names import Kind
+from .weight_cache import WEIGHTS
 
 LINEAR_CLASS_NAMES = ("Conv1D",)  # transformers' GPT-2 style linear (its weight stored [in, out])
 UNREACHED = (
@@ -47,6 +48,28 @@ def unreached_rows(root: nn.Module, plan: Plan) -> list[PlanRow]:
         reason = f"as {source.fqn}: runs on the graph of {frame}'s forward where Dynamo's guards let {owner} use it"
         rows.append(dataclasses.replace(source, fqn=path, reason=reason, rejected=dict(source.rejected)))
     return rows
+
+
+def with_weight_states(root: nn.Module, plan: Plan) -> None:
+    """Say where a quantized row's layer holds other weights than the row says, read from the weight
+    cache after the graphs ran: its released weights were given back to full precision since (it ran
+    outside the compiled graphs, e.g. a frame Dynamo ran eagerly past its recompile limit), or it has
+    no quantized weights yet (served by another instance's graph, not called so far: an expert no token
+    was routed to)."""
+    for i, row in enumerate(plan.rows):
+        if not row.quantized or row.reason.endswith((RESTORED, NOT_RUN)):  # noted for another root already
+            continue
+        try:
+            params = [p for p in root.get_submodule(row.fqn)._parameters.values() if p is not None]
+        except AttributeError:  # a projection inside an attention call, an expert GEMM: no module of its own
+            continue
+        if restored := next(filter(None, map(WEIGHTS.restored, params)), None):
+            note = f"its full-precision weights were restored since ({restored}): {RESTORED}"
+        elif params and not any(map(WEIGHTS.canonical_values, params)):
+            note = NOT_RUN
+        else:
+            continue
+        plan.rows[i] = dataclasses.replace(row, reason=f"{row.reason}; {note}", rejected=dict(row.rejected))
 
 
 def _splits(path: str):

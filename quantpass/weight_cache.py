@@ -57,6 +57,7 @@ class ParamRecord:
     source: str | None = None  # where the value came from when not from this parameter's data (`note`: full precision)
     spec: object = None  # QuantSpec the value was declared with (a pre-quantized checkpoint's), else None
     activation: dict = field(default_factory=dict)  # CanonicalKey -> the activation key a graph ran it with
+    restored: str | None = None  # why a released value was given back (its layer ran on full precision)
 
 
 def _state(param: torch.Tensor, inference: bool) -> tuple[int, int]:
@@ -192,6 +193,7 @@ class WeightCache:
             storage = local.untyped_storage()
         storage.resize_(0)
         record.state, record.storage, record.released = _state(param, record.inference), storage, True
+        record.restored = None
         self.release_epoch += 1
         # copy.deepcopy / pickle (torch.save(model)) of a released weight: its dequantized value, never
         # freed memory (instance attributes win over Tensor's methods; `restore` removes them)
@@ -208,10 +210,11 @@ class WeightCache:
         dense = dequantize(value, param.dtype)
         return like_param(param, (dense.transpose(-2, -1) if transposed else dense).to(param.device))
 
-    def restore(self, param: torch.Tensor) -> None:
-        """Give a released parameter its values back, dequantized from its canonical value. Its
-        quantized copies stay valid (they were made from these values)."""
+    def restore(self, param: torch.Tensor, why: str) -> None:
+        """Give a released parameter its values back, dequantized from its canonical value, saying
+        `why` (the plan reports it). Its quantized copies stay valid (they were made from these values)."""
         record = self._records[id(param)]
+        record.restored = why
         dense, local = local_tensor(self.dense(param)), local_tensor(param)
         storage = local.untyped_storage()
         storage.resize_(local.numel() * local.element_size())
@@ -220,6 +223,11 @@ class WeightCache:
         for name in ("__deepcopy__", "__reduce_ex__"):
             param.__dict__.pop(name, None)
         record.state, record.storage, record.released = _state(param, record.inference), storage, False
+
+    def restored(self, param: torch.Tensor) -> str | None:
+        """Why the parameter's released value was given back, while it still holds it; else None."""
+        record = self._records.get(id(param))
+        return record.restored if record is not None and not self.is_released(param) else None
 
     def released_params(self) -> list[torch.Tensor]:
         return [p for r in self._records.values() if r.released and (p := r.ref()) is not None]
@@ -327,6 +335,12 @@ def install_eager_guard() -> None:
         warnings.filterwarnings("ignore", message=r"Using `torch.compile\(module\)` when there are global hooks")
 
 
+OUTSIDE = "runs outside the compiled model"
+EAGER_CAUSES = (
+    ". Called from a compiled model, it ran eagerly: Dynamo runs a frame eagerly past "
+    "torch._dynamo.config.recompile_limit (its warning says 'hit config.recompile_limit'; raise the limit) "
+    "or after a graph break it could not resume from. `plan` names the layers"
+)
 _READS_CHILD_WEIGHTS = (torch.nn.MultiheadAttention, torch.nn.TransformerEncoderLayer)
 _CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # module -> release epoch checked
 
@@ -352,7 +366,7 @@ def _restore_before_eager_use(module, args):
         # Another backend (plain `torch.compile(model)` to compare) would read the freed storages.
         _restore_released(module._orig_mod.parameters(), module, f"compiled with backend {_backend_name(backend)}")
     else:
-        _restore_released(_own_weights(module), module, "runs outside the compiled model")
+        _restore_released(_own_weights(module), module, OUTSIDE)
 
 
 # Dynamo would otherwise compile the hook as a frame of its own wherever eager code calls a module under
@@ -400,11 +414,12 @@ def _restore_released(params, module: torch.nn.Module, where: str) -> None:
             _EAGER_GUARD.append(True)
             log(
                 "quantpass: %s %s, but quantpass released its weights after quantizing them; restoring "
-                "them dequantized (keep_original_weights=True keeps the originals)",
+                "them dequantized (keep_original_weights=True keeps the originals)%s",
                 type(getattr(module, "_orig_mod", module)).__name__,
                 where,
+                EAGER_CAUSES if where == OUTSIDE else "",
             )
-            WEIGHTS.restore(param)
+            WEIGHTS.restore(param, where)
 
 
 def _backend_of(wrapper: OptimizedModule):

@@ -91,6 +91,8 @@ def test_transformers_albert_shares_its_layer(lowering):
         out = model_c(ids).last_hidden_state
     assert cosine(expected, out) >= 0.999
     assert len(backend.plan.quantized()) >= 6 * 3  # the shared layer's linears, once per use
+    # the summary counts the model's 8 Linears, not its 20 calls (it said "20 quantized")
+    assert backend.plan.summary() == "linear: 8 quantized (int8_weight_only; cpu 8; 20 calls) | 0 skipped"
 
 
 # ------------------------------------------------------------------ 3: writes through .data
@@ -753,3 +755,35 @@ def test_a_weight_that_is_no_parameter_says_what_it_is():
     assert rows["0"].reason == f"weight is not a parameter: computed in the graph from {weights}; {left}"
     plan = qp.explain(lambda x, w: x @ w.t(), torch.randn(4, 32), torch.randn(8, 32), linear="int8_weight_only")
     assert [row.reason for row in plan.rows] == ["weight is an input of the compiled function, not a parameter"]
+
+
+class TwoOfThreeBlocks(BlocksInALoop):
+    def forward(self, x):
+        for block in self.blocks[:2]:
+            x = block(x)
+        return self.head(x)
+
+
+def test_the_plan_says_which_layers_hold_other_weights_than_it_claims(caplog):
+    """From tiny NLLB-MoE: experts no token was routed to had rows "quantized" (as expert_0's graph)
+    while they held their full-precision weights, and layers in a frame Dynamo ran eagerly past its
+    recompile limit ran on weights given back in full precision, their rows still plainly "quantized"."""
+    torch.manual_seed(0)
+    model = TwoOfThreeBlocks().eval()
+    m, backend = compiled(model)
+    with torch.no_grad():
+        m(torch.randn(4, 32))
+    rows = {row.fqn: row for row in backend.plan.rows}
+    assert all(rows[f"blocks.{i}.lin"].quantized for i in range(3))
+    assert rows["blocks.2.lin"].reason.endswith("; not run yet: its weights are quantized on its first call")
+    assert not any(rows[f"blocks.{i}.lin"].reason.endswith(("call", "on them")) for i in range(2))
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad(), caplog.at_level("DEBUG", "quantpass"):
+        m(torch.randn(6, 32))  # a new length: a second entry for each frame, past the limit: run eagerly
+    rows = {row.fqn: row for row in backend.plan.rows}
+    restored = (
+        "; its full-precision weights were restored since (runs outside the compiled model): eager calls run on them"
+    )
+    assert [fqn for fqn, row in rows.items() if row.reason.endswith(restored)] == ["blocks.0.lin", "blocks.1.lin"]
+    assert any("torch._dynamo.config.recompile_limit" in r.getMessage() for r in caplog.records)
+    summary = "linear: 3 quantized (int8_weight_only; cpu 3; 2 with weights restored for eager calls; 1 not run yet)"
+    assert backend.plan.summary().startswith(summary)

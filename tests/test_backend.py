@@ -317,6 +317,14 @@ def test_explain_plan_table_and_summary(llama, caplog):
     assert any(r.message.startswith("linear: 14 quantized") for r in caplog.records)
 
 
+def test_summary_counts_layers_not_calls():
+    """A layer called twice has two rows; it counts once, and as quantized only where every call is."""
+    row = lambda fqn, backend: qp.PlanRow(fqn, "linear", None, None, backend, "why", format="int8")  # noqa: E731
+    plan = qp.Plan([row("a", "cpu"), row("a", "cpu"), row("b", "cpu"), row("b", None), row("c", None)])
+    assert plan.summary() == "linear: 1 quantized (int8; cpu 1; 2 calls) | 2 skipped"
+    assert qp.Plan([row("a", "cpu")]).summary() == "linear: 1 quantized (int8; cpu 1) | 0 skipped"
+
+
 def test_uuid_changes_with_the_config():
     a = QuantizePass(qp.QuantizationConfig(linear="fp8_per_block")).uuid()
     b = QuantizePass(qp.QuantizationConfig(linear="fp8_per_channel")).uuid()
