@@ -40,7 +40,10 @@ class Plan:
     read: list[str] = field(default_factory=list)  # the parameters the graphs take as inputs, by name
 
     def extend(self, other: Plan) -> None:
-        self.rows.extend(other.rows)
+        """Add another graph's plan; a row the same as one already here is a recompile of the same
+        frame (a new length in generation), not another layer or call: left out."""
+        seen = {_identity(row) for row in self.rows}
+        self.rows.extend(row for row in other.rows if _identity(row) not in seen)
         self.frames.extend(f for f in other.frames if f not in self.frames)
         self.read.extend(other.read)
 
@@ -98,3 +101,9 @@ class Plan:
             }
             for r in self.rows
         ]
+
+
+def _identity(row: PlanRow) -> tuple:
+    """What was decided for the layer: for a quantized one, not its reason (only the first graph
+    verifies: its reason ends with the measured SQNR)."""
+    return row.fqn, row.kind, row.weight, row.activation, row.backend, None if row.quantized else row.reason

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import transformers
-from tiny_models import Block
+from tiny_models import Block, tiny_llama
 
 import quantpass as qp
 from quantpass.metrics import cosine
@@ -787,3 +787,29 @@ def test_the_plan_says_which_layers_hold_other_weights_than_it_claims(caplog):
     assert any("torch._dynamo.config.recompile_limit" in r.getMessage() for r in caplog.records)
     summary = "linear: 3 quantized (int8_weight_only; cpu 3; 2 with weights restored for eager calls; 1 not run yet)"
     assert backend.plan.summary().startswith(summary)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_with_a_compiled_forward(cache, caplog):
+    """How LLM users run it: `model.forward = torch.compile(model.forward, ...)`, then `generate`. Each
+    new length was another graph whose rows joined the plan: a 14-linear model read "70 quantized"
+    (now: recompiles of a frame add no rows). Greedy tokens are the unquantized model's."""
+    model = tiny_llama()
+    prompts = [torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 11)]
+    options = {
+        "max_new_tokens": 10,
+        "do_sample": False,
+        **({"cache_implementation": "static"} if cache == "static" else {}),
+    }
+    with torch.no_grad():
+        expected = [model.generate(ids, **options) for ids in prompts]
+    backend = qp.backend(linear="int8_weight_only")
+    torch._dynamo.reset()
+    model.forward = torch.compile(model.forward, backend=backend)
+    with torch.no_grad(), caplog.at_level(logging.WARNING, logger="quantpass"):
+        for ids, tokens in zip(prompts, expected):
+            assert torch.equal(model.generate(ids, **options), tokens)
+    assert len(backend.plans) > 2  # prefill and decode lengths: several graphs
+    assert backend.plan.summary() == "linear: 14 quantized (int8_weight_only; cpu 14) | 1 skipped"
+    assert len(backend.plan.rows) == 15
+    assert not caplog.records  # nothing restored, nothing re-quantized
