@@ -138,7 +138,7 @@ class QuantpassBackend:
     def plan(self) -> Plan:
         """All compiled graphs' plans together, and a row for each linear of the compiled models that
         no graph named (`plan_coverage`)."""
-        merged = Plan()
+        merged = Plan(graphs=0)
         for plan in self.plans:
             merged.extend(plan)
         for root in list(self.roots):
@@ -152,6 +152,7 @@ class QuantpassBackend:
             # nothing to quantize: plain lowering, still guarded against released weights (Dynamo may
             # serve this graph to another instance of the class, e.g. a pre-quantized one)
             raw = [i for i, v in enumerate(example_inputs) if _is_param(v)]
+            self.plans.append(Plan())  # a graph, with nothing to plan
             return QuantizedGraph(_lower(gm, example_inputs, options.lowering), [], raw).__call__
         quantize_pass = self.quantize_pass
         result = quantize_pass(gm, example_inputs)
@@ -279,7 +280,7 @@ def explain(model, *example_inputs, config: QuantizationConfig | dict | None = N
     opts = BackendOptions.parse(config=config, **options)
     if warning := experts_warning(model):
         logger.warning("%s", warning)
-    plan = Plan()
+    plan = Plan(graphs=0)
 
     def planner(gm, inputs):
         plan.extend(QuantizePass(opts.config, verify=False)(gm, inputs, plan_only=True).plan)

@@ -177,7 +177,7 @@ def _plan(self) -> Plan | None:
     state = self.__dict__.get("_quantpass_state")
     if not state:
         return None
-    merged = Plan()
+    merged = Plan(graphs=0)
     for plan in state["plans"].values():
         merged.extend(plan)
     merged.rows += unreached_rows(self, merged)

@@ -11,6 +11,12 @@ from .quant_registry.names import Kind
 RESTORED, NOT_RUN = "eager calls run on them", "not run yet: its weights are quantized on its first call"
 
 
+NOTHING_COMPILED = (
+    "nothing compiled yet: call the compiled model (`torch.compile(model)` compiles calls of the model "
+    "itself; `model.generate(...)` runs the uncompiled forward: compile `model.forward` instead)"
+)
+
+
 @dataclass
 class PlanRow:
     """One site. `weight`/`activation` are registered key names (None when not quantized /
@@ -38,6 +44,7 @@ class Plan:
     rows: list[PlanRow] = field(default_factory=list)
     frames: list[str] = field(default_factory=list)  # submodules whose forward was a graph of its own
     read: list[str] = field(default_factory=list)  # the parameters the graphs take as inputs, by name
+    graphs: int = 1  # how many compiled graphs it tells of (a merged plan: 0 before any)
 
     def extend(self, other: Plan) -> None:
         """Add another graph's plan; a row the same as one already here is a recompile of the same
@@ -46,6 +53,7 @@ class Plan:
         self.rows.extend(row for row in other.rows if _identity(row) not in seen)
         self.frames.extend(f for f in other.frames if f not in self.frames)
         self.read.extend(other.read)
+        self.graphs += other.graphs
 
     def quantized(self, kind: str | None = None) -> list[PlanRow]:
         return [r for r in self.rows if r.quantized and kind in (None, r.kind)]
@@ -73,7 +81,9 @@ class Plan:
                     states.append(f"{n} {said}")
             detail = f" ({'; '.join([formats, backends, *states])})" if done else ""
             parts.append(f"{kind}: {len(done)} quantized{detail} | {len(layers) - len(done)} skipped")
-        return " | ".join(parts) if parts else "no linear or moe layers found"
+        if parts:
+            return " | ".join(parts)
+        return "no linear or moe layers found" if self.graphs else NOTHING_COMPILED
 
     def table(self) -> str:
         headers = ("layer", "kind", "weight", "activation", "backend", "reason")

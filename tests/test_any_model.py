@@ -813,3 +813,16 @@ def test_generate_with_a_compiled_forward(cache, caplog):
     assert backend.plan.summary() == "linear: 14 quantized (int8_weight_only; cpu 14) | 1 skipped"
     assert len(backend.plan.rows) == 15
     assert not caplog.records  # nothing restored, nothing re-quantized
+
+
+def test_a_plan_before_any_graph_says_nothing_was_compiled():
+    """`torch.compile(model).generate(...)` runs the uncompiled forward: the plan said "no linear or
+    moe layers found" of a Llama."""
+    backend = qp.backend(linear="int8_weight_only")
+    torch._dynamo.reset()
+    m, ids = torch.compile(tiny_llama(), backend=backend), torch.randint(3, 128, (1, 5))
+    with torch.no_grad():
+        m.generate(ids, max_new_tokens=2, do_sample=False)
+        assert backend.plan.summary().startswith("nothing compiled yet: call the compiled model")
+        m(ids)
+    assert backend.plan.summary().startswith("linear: 14 quantized")
