@@ -270,13 +270,21 @@ def experts_warning(model) -> str | None:
     )
 
 
-def explain(model, *example_inputs, config: QuantizationConfig | dict | None = None, **options) -> Plan:
-    """What quantpass would do to `model` on these inputs: captures with Dynamo, quantizes nothing.
+def explain(
+    model, *example_inputs, config: QuantizationConfig | dict | None = None, kwargs: dict | None = None, **options
+) -> Plan:
+    """What quantpass would do to `model` on these inputs (positional, and keyword ones in `kwargs`:
+    `kwargs={"input_ids": ids, "attention_mask": mask}`): captures with Dynamo, quantizes nothing.
 
     Runs the model once (uncompiled, under `torch.no_grad()`: quantpass is for inference); weights
     quantpass already released (a model compiled before) run as their dequantized values, the
     model itself is left as it is.
     """
+    if inputs := sorted(set(options) - set(OPTIONS)):  # `explain(model, input_ids=ids)`: the model's, not ours
+        raise ValueError(
+            f"invalid quantpass option {inputs[0]!r}; valid: {', '.join(sorted(OPTIONS))}. The model's keyword "
+            f"inputs go in kwargs: qp.explain(model, kwargs={{{inputs[0]!r}: ...}})"
+        )
     opts = BackendOptions.parse(config=config, **options)
     if warning := experts_warning(model):
         logger.warning("%s", warning)
@@ -291,7 +299,7 @@ def explain(model, *example_inputs, config: QuantizationConfig | dict | None = N
         return run
 
     with torch.no_grad():
-        torch.compile(model, backend=planner)(*example_inputs)
+        torch.compile(model, backend=planner)(*example_inputs, **(kwargs or {}))
     if isinstance(model, torch.nn.Module):  # a function has no layers of its own to account for
         plan.rows += unreached_rows(model, plan)
     return plan

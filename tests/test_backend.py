@@ -317,6 +317,20 @@ def test_explain_plan_table_and_summary(llama, caplog):
     assert any(r.message.startswith("linear: 14 quantized") for r in caplog.records)
 
 
+def test_explain_takes_the_models_keyword_inputs(llama):
+    """transformers models are called with keywords (`model(**tokenizer(...))`): `explain(model,
+    input_ids=ids)` failed with "invalid quantpass option 'input_ids'" and no way to pass them."""
+    model, ids, _ = llama
+    with pytest.raises(
+        ValueError, match=r"option 'input_ids'; valid: .*inputs go in kwargs: qp.explain\(model, kwargs="
+    ):
+        qp.explain(model, input_ids=ids, linear="int8_weight_only")
+    mask = torch.ones_like(ids)
+    plan = qp.explain(model, kwargs={"input_ids": ids, "attention_mask": mask}, linear="int8_weight_only")
+    assert plan.summary() == qp.explain(model, ids, linear="int8_weight_only").summary()
+    assert len(plan.quantized()) == 14
+
+
 def test_summary_counts_layers_not_calls():
     """A layer called twice has two rows; it counts once, and as quantized only where every call is."""
     row = lambda fqn, backend: qp.PlanRow(fqn, "linear", None, None, backend, "why", format="int8")  # noqa: E731
