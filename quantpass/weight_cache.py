@@ -208,7 +208,7 @@ class WeightCache:
 
         (_, transposed), value = next(iter(self._records[id(param)].canonical.items()))
         dense = dequantize(value, param.dtype)
-        return like_param(param, (dense.transpose(-2, -1) if transposed else dense).to(param.device))
+        return like_param(param, param_layout(dense, transposed, local_tensor(param).shape).to(param.device))
 
     def restore(self, param: torch.Tensor, why: str) -> None:
         """Give a released parameter its values back, dequantized from its canonical value, saying
@@ -291,6 +291,19 @@ class WeightCache:
 
 
 WEIGHTS = WeightCache()
+
+
+def param_layout(matrix: torch.Tensor, transposed: bool, shape) -> torch.Tensor:
+    """A canonical `[..., N, K]` value in its parameter's layout: transposed back, viewed as the
+    parameter's `shape` (a weight an einsum reads as a matrix: `ParamRef.shape`)."""
+    return (matrix.transpose(-2, -1) if transposed else matrix).reshape(shape)
+
+
+def canonical_layout(value: torch.Tensor, transposed: bool, shape) -> torch.Tensor:
+    """A parameter's value in the layout of its canonical value of `shape` (`[..., N, K]`)."""
+    stored = (*shape[:-2], shape[-1], shape[-2]) if transposed else tuple(shape)
+    matrix = value.reshape(stored)
+    return (matrix.transpose(-2, -1) if transposed else matrix).contiguous()
 
 
 def _dense_parameter(param: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ import torch
 
 from .quant_registry.formats import quantize
 from .quant_registry.qtensor import QTensor
-from .weight_cache import WEIGHTS
+from .weight_cache import WEIGHTS, canonical_layout
 
 logger = logging.getLogger("quantpass")
 
@@ -69,8 +69,8 @@ def load_weight(param: torch.Tensor, value: torch.Tensor, name: str = "weight") 
         record = WEIGHTS.record(param)
         value = value.to(param.device)
         record.canonical = {
-            (key, transposed): quantize((value.transpose(-2, -1) if transposed else value).contiguous(), key, name=name)
-            for key, transposed in record.canonical
+            (key, transposed): quantize(canonical_layout(value, transposed, qt.shape), key, name=name)
+            for (key, transposed), qt in record.canonical.items()
         }
         record.source = None
         record.generation += 1  # the prepared copies are rebuilt from the new canonical values

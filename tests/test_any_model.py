@@ -654,25 +654,106 @@ def test_a_head_tied_across_a_graph_break_is_left_alone(caplog):
     assert not [r.getMessage() for r in caplog.records if "restoring it" in r.getMessage()]
 
 
-def test_einsum_projections_of_a_dense_model_are_no_moe_layers():
-    """XLNet projects with `einsum("ibh,hnd->ibnd", x, q)` on 3-D weights: its plan counted them as MoE
-    layers of a dense model ("moe: 0 quantized | 10 skipped"). In a graph that routes no experts they
-    are linears, left unquantized with the equation named."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_einsum_projections_are_quantized(fmt):
+    """XLNet projects with `einsum("ibh,hnd->ibnd", x, q)` and `einsum("ibnd,hnd->ibh", attn, o)` on
+    [H, n, d] weights: 10 of its 14 linears stayed unquantized (labelled "3-D weight read by einsum";
+    before that, counted as MoE layers). They are linears of the weight viewed as a matrix: quantized,
+    released, restored and reloaded in the parameter's own [H, n, d] layout."""
+    from quantpass.passes.fx_utils import op_counts
+    from quantpass.weight_cache import WEIGHTS
+
     torch.manual_seed(0)
     config = transformers.XLNetConfig(vocab_size=128, d_model=64, n_layer=2, n_head=4, d_inner=128)
-    plan = qp.explain(transformers.XLNetLMHeadModel(config).eval(), torch.randint(3, 128, (2, 9)))
+    model = transformers.XLNetLMHeadModel(config).eval()
+    eager = copy.deepcopy(model)
+    m, backend = compiled(model, fmt)
+    ids = [torch.randint(3, 128, (2, n), generator=torch.Generator().manual_seed(n)) for n in (9, 12)]
+    with torch.no_grad():
+        for x in ids:
+            expected, out = eager(x).logits, m(x).logits
+            assert cosine(expected, out) >= FLOOR[fmt] and not torch.equal(expected, out)
+    rows = {row.fqn: row for row in backend.plan.rows}
+    for name in [f"transformer.layer.{i}.rel_attn.{p}" for i in range(2) for p in "qkvor"]:
+        assert rows[name].quantized and "einsum 'ib" in rows[name].reason, rows[name]
+    assert backend.plan.summary().startswith("linear: 14 quantized")
+    before, after = backend.graphs[0]
+    assert op_counts(before)["torch.functional.einsum"] - op_counts(after)["torch.functional.einsum"] == 10
+    q = model.transformer.layer[0].rel_attn.q
+    assert WEIGHTS.is_released(q)
+    dense = qp.state_dict(model)["transformer.layer.0.rel_attn.q"]
+    assert dense.shape == (64, 4, 16) and cosine(dense, eager.transformer.layer[0].rel_attn.q) >= FLOOR[fmt]
+    new = torch.randn(64, 4, 16) * 0.05
+    qp.load_weights(model, {"transformer.layer.0.rel_attn.q": new})  # quantized straight into the cache
+    eager.transformer.layer[0].rel_attn.q.data.copy_(new)
+    with torch.no_grad():
+        assert cosine(eager(ids[0]).logits, m(ids[0]).logits) >= FLOOR[fmt]
+    assert cosine(qp.state_dict(model)["transformer.layer.0.rel_attn.q"], new) >= FLOOR[fmt]
+
+
+def test_a_checkpoint_of_einsum_projections_stores_them_in_full_precision(tmp_path):
+    """No checkpoint format has a layout for an [H, n, d] weight read as a matrix: once the einsum
+    projections were quantized, save_pretrained wrote q's [64, 64] FP8 data under its 3-D name. It
+    writes the dequantized weight instead."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    config = transformers.XLNetConfig(vocab_size=128, d_model=64, n_layer=2, n_head=4, d_inner=128)
+    model = transformers.XLNetLMHeadModel(config).eval()
+    eager, ids = copy.deepcopy(model), torch.randint(3, 128, (2, 9))
+    m, _ = compiled(model, "fp8_per_channel")
+    with torch.no_grad():
+        m(ids)
+    qp.save_pretrained(model, tmp_path)
+    stored = load_file(tmp_path / "model.safetensors")
+    q = stored["transformer.layer.0.rel_attn.q"]
+    assert q.shape == (64, 4, 16) and q.dtype == torch.float32
+    assert stored["transformer.layer.0.ff.layer_1.weight"].dtype == torch.float8_e4m3fn  # the Linears: FP8
+    loaded = qp.from_pretrained(tmp_path)
+    with torch.no_grad():
+        out = torch.compile(loaded, backend=qp.backend(lowering="aot_eager"))(ids).logits  # the checkpoint's formats
+        assert cosine(eager(ids).logits, out) >= FLOOR["fp8_per_channel"]
+
+
+@pytest.mark.parametrize(
+    "equation, form",
+    [
+        ("ibh,hnd->ibnd", (1, True)),  # XLNet's q: [K, n, d]
+        ("ibnd,hnd->ibh", (2, False)),  # XLNet's o: [N, n, d] contracting two dims
+        ("bk,nk->bn", (1, False)),
+        ("bk,kn->bn", (1, True)),
+        ("ibnd,snd->ibns", None),  # a letter of the weight kept: batched, no linear
+        ("bind,snd->bnis", None),  # Funnel's seg_embed
+        ("bk,nk->nb", None),  # the output transposed
+        ("bhk,khn->bn", None),  # contracted letters in another order
+        ("...k,nk->...n", None),
+        ("bk,nk", None),
+    ],
+)
+def test_which_einsums_are_linears(equation, form):
+    from quantpass.patterns.einsum_linear import einsum_linear
+
+    assert einsum_linear(equation, weight_is_first=False) == form
+    swapped = equation.split("->")[0].split(",")[::-1]
+    if form is not None:
+        assert einsum_linear(",".join(swapped) + "->" + equation.split("->")[1], weight_is_first=True) == form
+
+
+def test_funnel_relative_kernels_are_linears_and_segment_embeddings_are_not():
+    torch.manual_seed(0)
+    config = transformers.FunnelConfig(
+        vocab_size=128, d_model=64, n_head=4, d_head=16, d_inner=128, block_sizes=[1, 1], num_decoder_layers=1
+    )
+    plan = qp.explain(transformers.FunnelModel(config).eval(), torch.randint(3, 128, (2, 9)), linear="int8_weight_only")
     rows = {row.fqn: row for row in plan.rows}
-    projections = [f"transformer.layer.{i}.rel_attn.{p}" for i in range(2) for p in "qkvor"]
-    for name in projections:
-        assert rows[name].kind == "linear" and not rows[name].quantized
-        assert rows[name].reason.startswith("3-D weight read by einsum 'ib")
-    assert rows["transformer.layer.0.rel_attn.q"].reason.startswith("3-D weight read by einsum 'ibh,hnd->ibnd'")
-    assert all(row.kind == "linear" for row in plan.rows) and "moe" not in str(plan).splitlines()[-1]
+    assert rows["encoder.blocks.0.0.attention.r_kernel"].quantized
+    seg = rows["encoder.blocks.0.0.attention.seg_embed"]
+    assert not seg.quantized and seg.reason.startswith("3-D weight read by einsum 'bind,snd->bnis'")
 
 
 class EinsumLinear(nn.Linear):
     def forward(self, x):
-        return torch.einsum("bk,nk->bn", x, self.weight)
+        return torch.einsum("bk,nk->nb", x, self.weight).T  # the output transposed: a form no matcher takes
 
 
 def test_a_linear_read_as_no_linear_says_so():

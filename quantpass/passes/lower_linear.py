@@ -28,11 +28,16 @@ class LinearLowering(SiteLowering):
         swap = site.left and value(site.x).dim() > 1  # `W @ x` = (x^T @ W^T)^T over the last two dims
         with graph.inserting_before(site.node):
             x = _swapped(graph, site.x) if swap else site.x
+            x = _call(graph, torch.flatten, x, -site.flat) if site.flat > 1 else x  # an einsum's K dims
             new = graph.call_function(target, self.op_args(site, x, weights[0], site.bias, spec, backend))
             new.meta.update(site.node.meta)
             if swap:
                 _set_value(new, value(site.node).transpose(-2, -1))
                 new = _swapped(graph, new)
+                new.meta.update(site.node.meta)
+            if len(site.unflat) > 1:  # an einsum's output: the weight's free dims
+                _set_value(new, value(site.node).flatten(-len(site.unflat)))
+                new = _call(graph, torch.unflatten, new, -1, site.unflat)
                 new.meta.update(site.node.meta)
         site.node.replace_all_uses_with(new)
         graph.erase_node(site.node)
@@ -56,9 +61,14 @@ class LinearLowering(SiteLowering):
 
 def _swapped(graph, node):
     """`node.transpose(-2, -1)`, its example value with it."""
-    swapped = graph.call_function(torch.transpose, (node, -2, -1))
-    _set_value(swapped, value(node).transpose(-2, -1))
-    return swapped
+    return _call(graph, torch.transpose, node, -2, -1)
+
+
+def _call(graph, view, node, *args):
+    """`view(node, *args)` (a transpose, flatten or unflatten), its example value with it."""
+    viewed = graph.call_function(view, (node, *args))
+    _set_value(viewed, view(value(node), *args))
+    return viewed
 
 
 def _set_value(node, example) -> None:

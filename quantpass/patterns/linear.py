@@ -35,6 +35,8 @@ class LinearSite(Site):
     x: fx.Node | None = None
     bias: fx.Node | None = None
     left: bool = False  # `W @ x`: features on x's second-to-last dim
+    flat: int = 1  # x's last dims the weight contracts (an einsum's: flattened into K first)
+    unflat: tuple[int, ...] = ()  # the output's last dim unflattened to these (an einsum's weight dims)
 
     @property
     def output_node(self) -> fx.Node:
@@ -47,8 +49,9 @@ class LinearSite(Site):
     @property
     def input_nodes(self) -> list[fx.Node]:
         """The activations verify probes, as rows of their last dim: none for `W @ x` (its features
-        are on x's dim -2), which verify checks on sample rows."""
-        if self.left:
+        are on x's dim -2) or an einsum with several contracted or output dims, which verify checks on
+        sample rows."""
+        if self.left or self.flat > 1 or len(self.unflat) > 1:
             return []
         return [self.x] if self.bias is None else [self.x, self.bias]
 
@@ -201,6 +204,8 @@ def find_linear_sites(
             site.default_ignore = "MoE router: its outputs pick experts"
         sites.append(site)
     from .attention import find_attention_sites  # its sites are linear sites: a cycle
+    from .einsum_linear import find_einsum_linear_sites
     from .grouped_linear import find_grouped_linear_sites
 
-    return sites + find_attention_sites(graph, params, claimed) + find_grouped_linear_sites(graph, params, claimed)
+    found = find_attention_sites(graph, params, claimed) + find_grouped_linear_sites(graph, params, claimed)
+    return sites + found + find_einsum_linear_sites(graph, params, claimed)

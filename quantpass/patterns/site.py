@@ -28,17 +28,20 @@ class ParamRef:
     `index` is its position among the graph's placeholders (= in example_inputs and in the
     runtime call's args); `name` its FQN, e.g. `model.layers.0.mlp.experts.gate_up_proj`.
     `transposed` says it is stored `[..., K, N]` and must be transposed to the `[..., N, K]`
-    layout quantization expects.
+    layout quantization expects; `shape`, that it is viewed as this matrix first (a 3-D weight an
+    einsum uses as a linear: `patterns/einsum_linear.py`).
     """
 
     node: fx.Node
     index: int
     name: str
     transposed: bool = False
+    shape: tuple[int, int] | None = None
 
     def matrix(self, value: torch.Tensor) -> torch.Tensor:
         """The parameter's value in `[..., N, K]` layout (a DTensor's: the shard this rank holds)."""
         value = local_tensor(value)
+        value = value if self.shape is None else value.reshape(self.shape)
         return value.transpose(-2, -1) if self.transposed else value
 
 

@@ -352,6 +352,32 @@ ARCHS = [
         _hf(AUTO, tf.ElectraConfig, **SMALL, embedding_size=32, initializer_range=STD, max_position_embeddings=64),
         padded,
     ),
+    Arch(  # q/k/v/o/r are einsums on [d_model, n_head, d_head] weights
+        "xlnet",
+        "encoder",
+        _hf(
+            AUTO, tf.XLNetConfig, vocab_size=VOCAB, d_model=64, n_layer=2, n_head=4, d_inner=128, initializer_range=STD
+        ),
+        padded,
+    ),
+    Arch(  # r_kernel is an einsum on a [d_model, n_head, d_head] weight
+        "funnel",
+        "encoder",
+        _hf(
+            AUTO,
+            tf.FunnelConfig,
+            vocab_size=VOCAB,
+            d_model=64,
+            n_head=4,
+            d_head=16,
+            d_inner=128,
+            block_sizes=[1, 1],
+            num_decoder_layers=1,
+            initializer_range=STD,
+            architectures=["FunnelModel"],  # the config's own is None, which AutoModel can't read
+        ),
+        padded,
+    ),
     # ---- encoder-decoders ----
     Arch(
         "t5",
