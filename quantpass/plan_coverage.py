@@ -65,7 +65,7 @@ def with_weight_states(root: nn.Module, plan: Plan) -> None:
             continue
         if restored := next(filter(None, map(WEIGHTS.restored, params)), None):
             note = f"its full-precision weights were restored since ({restored}): {RESTORED}"
-        elif params and not any(map(WEIGHTS.canonical_values, params)):
+        elif params and not WEIGHTS.nbytes(params):  # nothing quantized for them yet
             note = NOT_RUN
         else:
             continue

@@ -868,6 +868,10 @@ def test_the_plan_says_which_layers_hold_other_weights_than_it_claims(caplog):
     assert any("torch._dynamo.config.recompile_limit" in r.getMessage() for r in caplog.records)
     summary = "linear: 3 quantized (int8_weight_only; cpu 3; 2 with weights restored for eager calls; 1 not run yet)"
     assert backend.plan.summary().startswith(summary)
+    m, backend = compiled(TwoOfThreeBlocks().eval(), keep_original_weights=True)  # nothing released: no canonical
+    with torch.no_grad():
+        m(torch.randn(4, 32))
+    assert backend.plan.summary().startswith("linear: 3 quantized (int8_weight_only; cpu 3; 1 not run yet)")
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
