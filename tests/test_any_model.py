@@ -874,30 +874,76 @@ def test_the_plan_says_which_layers_hold_other_weights_than_it_claims(caplog):
     assert backend.plan.summary().startswith("linear: 3 quantized (int8_weight_only; cpu 3; 1 not run yet)")
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
-def test_generate_with_a_compiled_forward(cache, caplog):
+def _tiny_mixtral():
+    from tiny_moe_models import tiny_moe
+
+    return tiny_moe("mixtral", "grouped_mm", dtype=torch.float32)
+
+
+def _same_generation(eager, compiled, prompt: int) -> None:
+    """Logits of every step up to the first differing token at cosine >= 0.999; a token differs only
+    where eager's top two logits are within 2% of its logit range (a near-tie rounding flips)."""
+    tokens = zip(eager.logits, compiled.logits, eager.sequences[0, prompt:], compiled.sequences[0, prompt:])
+    for step, (a, b, x, y) in enumerate(tokens):
+        assert cosine(a, b) >= 0.999, f"step {step}: cosine {cosine(a, b):.5f}"
+        if x != y:
+            top = a[0].topk(2).values
+            assert top[0] - top[1] < 0.02 * (a.max() - a.min()), f"step {step}: a token flipped off a near-tie"
+            return
+    assert len(eager.logits) == len(compiled.logits)
+
+
+def _int8_rows(model: nn.Module, plan: qp.Plan) -> nn.Module:
+    """A copy of `model` whose weights the plan quantized are INT8 per row (absmax / 127), dequantized."""
+    copied = copy.deepcopy(model)
+    with torch.no_grad():
+        for row in plan.quantized():
+            for param in copied.get_submodule(row.fqn).parameters(recurse=False):
+                if param.dim() >= 2:
+                    scale = param.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+                    param.copy_((param / scale).round().clamp(-127, 127) * scale)
+    return copied
+
+
+GENERATED = {  # model -> (its plan's summary, rows)
+    "llama": ("linear: 14 quantized (int8_weight_only; cpu 14) | 1 skipped", 15),
+    "mixtral": (
+        "linear: 8 quantized (int8_weight_only; cpu 8) | 3 skipped | moe: 2 quantized (int8_weight_only; cpu 2) | 0 skipped",
+        13,
+    ),
+}
+
+
+@pytest.mark.parametrize("name, cache", [("llama", "dynamic"), ("llama", "static"), ("mixtral", "dynamic")])
+def test_generate_with_a_compiled_forward(name, cache, caplog):
     """How LLM users run it: `model.forward = torch.compile(model.forward, ...)`, then `generate`. Each
     new length was another graph whose rows joined the plan: a 14-linear model read "70 quantized"
-    (now: recompiles of a frame add no rows). Greedy tokens are the unquantized model's."""
-    model = tiny_llama()
-    prompts = [torch.randint(3, 128, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 11)]
+    (now: recompiles of a frame add no rows). Each step's logits and token are those of the model
+    with its weights INT8-rounded in plain torch: against the unquantized model, a tiny MoE's
+    generation parts at the step where rounding flips a near-tied expert choice (cosine 0.51 there
+    for both, 1.0000 between them, measured)."""
+    model = tiny_llama() if name == "llama" else _tiny_mixtral()
+    original = copy.deepcopy(model)
+    prompts = [torch.randint(3, 100, (1, n), generator=torch.Generator().manual_seed(n)) for n in (7, 11)]
     options = {
         "max_new_tokens": 10,
         "do_sample": False,
+        "output_logits": True,
+        "return_dict_in_generate": True,
         **({"cache_implementation": "static"} if cache == "static" else {}),
     }
-    with torch.no_grad():
-        expected = [model.generate(ids, **options) for ids in prompts]
-    backend = qp.backend(linear="int8_weight_only")
+    backend = qp.backend(linear="int8_weight_only", moe="int8_weight_only")
     torch._dynamo.reset()
     model.forward = torch.compile(model.forward, backend=backend)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="quantpass"):
-        for ids, tokens in zip(prompts, expected):
-            assert torch.equal(model.generate(ids, **options), tokens)
-    assert len(backend.plans) > 2  # prefill and decode lengths: several graphs
-    assert backend.plan.summary() == "linear: 14 quantized (int8_weight_only; cpu 14) | 1 skipped"
-    assert len(backend.plan.rows) == 15
+        generated = [model.generate(ids, **options) for ids in prompts]
     assert not caplog.records  # nothing restored, nothing re-quantized
+    assert len(backend.plans) > 2  # prefill and decode lengths: several graphs
+    assert (backend.plan.summary(), len(backend.plan.rows)) == GENERATED[name]
+    rounded = _int8_rows(original, backend.plan)
+    with torch.no_grad():
+        for ids, out in zip(prompts, generated):
+            _same_generation(rounded.generate(ids, **options), out, ids.shape[1])
 
 
 def test_a_plan_before_any_graph_says_nothing_was_compiled():
