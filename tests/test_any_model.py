@@ -739,6 +739,27 @@ def test_which_einsums_are_linears(equation, form):
         assert einsum_linear(",".join(swapped) + "->" + equation.split("->")[1], weight_is_first=True) == form
 
 
+class EinsumTiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.up = nn.Parameter(torch.randn(32, 4, 8) / 6)
+
+    def forward(self, ids):
+        h = self.embed(ids)
+        h = h + torch.einsum("bsd,dnk->bsnk", h, self.up).flatten(-2)
+        return torch.einsum("bsd,vd->bsv", h, self.embed.weight)  # a head tied to the embedding
+
+
+def test_an_einsum_head_tied_to_the_embedding_is_left_alone_by_default():
+    """Einsum linears skipped the defaults every other linear gets: a head tied to the embedding was
+    quantized (and its embedding's weight with it)."""
+    plan = qp.explain(EinsumTiedHead().eval(), torch.randint(0, 64, (2, 5)), linear="int8_weight_only")
+    rows = {row.fqn: row for row in plan.rows}
+    assert rows["up"].quantized
+    assert not rows["embed"].quantized and rows["embed"].reason.startswith("weight tied to an embedding")
+
+
 def test_funnel_relative_kernels_are_linears_and_segment_embeddings_are_not():
     torch.manual_seed(0)
     config = transformers.FunnelConfig(

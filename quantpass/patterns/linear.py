@@ -196,16 +196,19 @@ def find_linear_sites(
         if weight in expert_linears:
             site.config_kind = Kind.MOE
             site.notes.append(f"expert of {expert_linears[weight]} (not a provable fused MoE): moe spec")
-        if weight in embedded or id(example_inputs[ref.index]) in tied:
-            site.default_ignore = "weight tied to an embedding"
-        elif fqn.split(".")[-1] == "lm_head":
-            site.default_ignore = "output head (lm_head)"
-        elif _feeds_topk(node, routing=routing):
-            site.default_ignore = "MoE router: its outputs pick experts"
         sites.append(site)
     from .attention import find_attention_sites  # its sites are linear sites: a cycle
     from .einsum_linear import find_einsum_linear_sites
     from .grouped_linear import find_grouped_linear_sites
 
+    einsums = find_einsum_linear_sites(graph, params, claimed)
+    for site in [s for s in sites if s.params] + einsums:  # what the defaults leave alone
+        weight = site.weight
+        if weight.node in embedded or id(example_inputs[weight.index]) in tied:
+            site.default_ignore = "weight tied to an embedding"
+        elif site.fqn.split(".")[-1] == "lm_head":
+            site.default_ignore = "output head (lm_head)"
+        elif _feeds_topk(site.node, routing=routing):
+            site.default_ignore = "MoE router: its outputs pick experts"
     found = find_attention_sites(graph, params, claimed) + find_grouped_linear_sites(graph, params, claimed)
-    return sites + found + find_einsum_linear_sites(graph, params, claimed)
+    return sites + found + einsums
