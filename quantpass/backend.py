@@ -22,7 +22,7 @@ from .passes.frame_names import compiled_root
 from .passes.quantize import Binding
 from .passes.quantize_pass import QuantizePass
 from .plan import Plan
-from .plan_coverage import unreached_rows, with_weight_states
+from .plan_coverage import model_plan, unreached_rows
 from .quant_registry.spec import QuantizationConfig
 from .weight_cache import WEIGHTS, install_eager_guard, return_freed_memory
 from .weights import graph_owners, hook_owners
@@ -138,13 +138,7 @@ class QuantpassBackend:
     def plan(self) -> Plan:
         """All compiled graphs' plans together, and a row for each linear of the compiled models that
         no graph named (`plan_coverage`)."""
-        merged = Plan(graphs=0)
-        for plan in self.plans:
-            merged.extend(plan)
-        for root in list(self.roots):
-            merged.rows += unreached_rows(root, merged)
-            with_weight_states(root, merged)
-        return merged
+        return model_plan(self.plans, list(self.roots))
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs):
         options = self.options

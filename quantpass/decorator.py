@@ -26,7 +26,7 @@ import torch
 from .backend import BackendOptions, QuantpassBackend, experts_warning
 from .debug import depyf_session
 from .plan import Plan
-from .plan_coverage import unreached_rows, with_weight_states
+from .plan_coverage import model_plan
 
 logger = logging.getLogger("quantpass")
 
@@ -177,12 +177,7 @@ def _plan(self) -> Plan | None:
     state = self.__dict__.get("_quantpass_state")
     if not state:
         return None
-    merged = Plan(graphs=0)
-    for plan in state["plans"].values():
-        merged.extend(plan)
-    merged.rows += unreached_rows(self, merged)
-    with_weight_states(self, merged)
-    return merged
+    return model_plan(state["plans"].values(), [self])
 
 
 def _mark_dynamic(module_class, settings: CompileSettings, args, kwargs) -> None:

@@ -11,6 +11,7 @@ on the same graph (`passes/frame_names.py`): their linears got no row of their o
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch.nn as nn
 
@@ -26,6 +27,19 @@ UNREACHED = (
 UNMATCHED = (
     "its weight is in a compiled graph, read by no linear the pass knows (e.g. an einsum on it); left unquantized"
 )
+
+
+def model_plan(plans: Iterable[Plan], roots: Iterable[nn.Module]) -> Plan:
+    """The graphs' plans together, accounted against the compiled models: a row for each of their
+    linears no graph named (`unreached_rows`), and what each quantized layer holds now
+    (`with_weight_states`)."""
+    merged = Plan(graphs=0)
+    for plan in plans:
+        merged.extend(plan)
+    for root in roots:
+        merged.rows += unreached_rows(root, merged)
+        with_weight_states(root, merged)
+    return merged
 
 
 def unreached_rows(root: nn.Module, plan: Plan) -> list[PlanRow]:

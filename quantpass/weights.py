@@ -87,10 +87,12 @@ def refresh_weights(model: torch.nn.Module) -> None:
 
 def state_dict(model: torch.nn.Module, quantized: bool = False) -> dict[str, torch.Tensor | QTensor]:
     """`model.state_dict()` with every released weight's dequantized value, never freed memory; with
-    `quantized=True`, each weight quantpass holds quantized is its `QTensor` instead."""
+    `quantized=True`, each weight quantpass holds quantized is its `QTensor` instead, but one held as a
+    matrix of another shape (an einsum's [H, n, d] weight: no checkpoint layout has it), dequantized."""
     result = {}
     for name, value in _state_tensors(_root(model)):
         canonical = WEIGHTS.canonical_values(value) if quantized else {}
+        canonical = {key: qt for key, qt in canonical.items() if len(qt.shape) == value.dim()}
         if canonical:
             result[name] = next(iter(canonical.values()))
         elif WEIGHTS.is_released(value):

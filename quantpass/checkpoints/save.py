@@ -43,8 +43,6 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
     written: set[int] = set()
     quantized: dict[str, QTensor] = {}
     for name, value in state_dict(root, quantized=True).items():
-        if isinstance(value, QTensor) and len(value.shape) != root.get_parameter(name).dim():
-            value = _dense(root.get_parameter(name))  # an einsum's [H, n, d] weight: no checkpoint layout has it
         if isinstance(value, QTensor):
             quantized[name] = value
         elif value.untyped_storage().data_ptr() not in written or not value.numel():
@@ -85,10 +83,6 @@ def save_pretrained(model: nn.Module, path: str | os.PathLike) -> None:
     os.makedirs(path, exist_ok=True)
     shards.write(os.path.join(path, "model.safetensors"), tensors, {"format": "pt"})
     _write_configs(root, path, layers, info, transforms)
-
-
-def _dense(param: torch.Tensor) -> torch.Tensor:
-    return WEIGHTS.dense(param) if WEIGHTS.is_released(param) else param.detach()
 
 
 def _ran_with(param: torch.Tensor):

@@ -64,12 +64,12 @@ def find_einsum_linear_sites(graph: fx.Graph, params: dict[fx.Node, ParamRef], c
             continue
         contracted, stored_kn = form
         shape = tuple(int(d) for d in stored.shape)
-        k = math.prod(shape[:contracted] if stored_kn else shape[-contracted:])
-        n = math.prod(shape[contracted:] if stored_kn else shape[:-contracted])
+        unflat = shape[contracted:] if stored_kn else shape[:-contracted]  # the weight's free dims: N
+        n = math.prod(unflat)
+        k = math.prod(shape) // n
         ref = params[weight]
         matrix = None if len(shape) == 2 else (k, n) if stored_kn else (n, k)
         ref = ParamRef(ref.node, ref.index, ref.name, transposed=stored_kn, shape=matrix)
-        unflat = shape[contracted:] if stored_kn else shape[: len(shape) - contracted]
         fqn = ref.name.removesuffix(".weight")
         site = LinearSite(fqn, [ref], Problem(n, k), node=node, x=x, flat=contracted, unflat=unflat)
         site.notes.append(f"einsum {equation!r}: the [{', '.join(map(str, shape))}] weight as a linear")

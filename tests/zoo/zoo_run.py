@@ -11,8 +11,9 @@ options={...}`: the same code path, and it keeps the plans) and checks three thi
 Weight layers are counted from the model, not from the plan, so a layer that never reaches the
 pass counts as not quantized: an `nn.Linear`/`Conv1D`, `nn.MultiheadAttention`'s packed input
 projection, each 3-D expert weight tensor of an `*experts` module, any other 3-D parameter but a
-bias, an embedding or a token (a dim of 1) (XLNet's einsum projections), and any other module's 2-D `weight` (MoE routers). Embeddings, convolutions, norms and biases are not weight layers. A layer
-is quantized when every plan row naming it is; it is excluded from the eligible count when its
+bias, an embedding or a token (a dim of 1) (XLNet's einsum projections), and any other module's
+2-D `weight` (MoE routers). Embeddings, convolutions, norms and biases are not weight layers. A
+layer is quantized when every plan row naming it is; it is excluded from the eligible count when its
 row says the defaults leave it alone (output head, weight tied to an embedding, MoE router).
 """
 
@@ -110,9 +111,9 @@ def weight_layers(model: nn.Module) -> list[str]:
             continue
         for pname, param in module.named_parameters(recurse=False):
             packed_in_proj = isinstance(module, nn.MultiheadAttention) and pname.endswith("proj_weight")
-            experts = param.dim() == 3 and name.endswith("experts") and "bias" not in pname
-            einsum = param.dim() == 3 and 1 not in param.shape and not re.search("bias|emb", pname)
-            einsum = einsum and not name.endswith("experts")  # (ViT's cls_token [1, 1, H] is no layer)
+            matrices = param.dim() == 3 and "bias" not in pname
+            experts = matrices and name.endswith("experts")
+            einsum = matrices and not experts and 1 not in param.shape and "emb" not in pname  # not ViT's cls_token
             if packed_in_proj or experts or einsum:
                 layers.append(f"{name}.{pname}" if name else pname)
             elif param.dim() == 2 and pname == "weight":
