@@ -10,10 +10,12 @@ unsharded model quantized the same way (N splits give the same scales, K splits 
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 import socket
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -47,9 +49,14 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn, args) -> None:
     try:
         result = fn(rank, world, *args)
         dist.barrier()
+        Path(out, f"{rank}.part").write_bytes(pickle.dumps(result))
+        Path(out, f"{rank}.part").rename(Path(out, f"{rank}.pkl"))  # whole, or not there
     finally:
         dist.destroy_process_group()
-    Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(result))
+    # Skip the interpreter's teardown (nothing of quantpass runs past here): once, in a CI run on a
+    # loaded 2-core machine, rank 0 (the TCP store's host) aborted with "terminate called without
+    # an active exception", a C++ thread destroyed while running; not reproduced in 45 runs here.
+    os._exit(0)
 
 
 def run_ranks(fn, *args, world: int = WORLD, timeout: float = 400.0) -> list:
@@ -59,11 +66,19 @@ def run_ranks(fn, *args, world: int = WORLD, timeout: float = 400.0) -> list:
             _rank_main, args=(world, _free_port(), out, fn, args), nprocs=world, join=False, start_method="spawn"
         )
         deadline = time.monotonic() + timeout
-        while not context.join(timeout=5):
-            if time.monotonic() > deadline:
-                for process in context.processes:
-                    process.kill()
-                pytest.fail(f"{world} ranks still running after {timeout} s")
+        try:
+            while not context.join(timeout=5, grace_period=30):  # the others may finish writing
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    pytest.fail(f"{world} ranks still running after {timeout} s")
+        except mp.ProcessExitedException as error:
+            # A rank killed by a signal after every rank passed the barrier and wrote its results
+            # died in torch's process-group teardown, not in the work under test: warn, and check
+            # the results. A rank that dies before (no results from it) fails the test.
+            if error.signal_name is None or not all(Path(out, f"{r}.pkl").exists() for r in range(world)):
+                raise
+            warnings.warn(f"results complete, then a rank died in teardown: {error}", stacklevel=2)
         return [pickle.loads(Path(out, f"{rank}.pkl").read_bytes()) for rank in range(world)]
 
 
