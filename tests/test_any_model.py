@@ -22,11 +22,16 @@ FORMATS = ["int8_weight_only", "fp8_per_channel", "nvfp4"]  # cpu, reference-W8A
 FLOOR = {"int8_weight_only": 0.999, "fp8_per_channel": 0.995, "nvfp4": 0.97}  # measured 0.9999 / 0.999 / 0.99
 
 
-def compiled(model, fmt="int8_weight_only", **options):
+def compiled(model, fmt="int8_weight_only", how="module", **options):
+    """The model compiled with quantpass `how`: as a module, or its forward method compiled in its place
+    (`model.forward = torch.compile(model.forward)`, as transformers' docs do for generation)."""
     backend = qp.backend(linear=fmt, **{"lowering": "aot_eager", **options})
     backend.keep_graphs = True
     torch._dynamo.reset()
-    return torch.compile(model, backend=backend), backend
+    if how == "module":
+        return torch.compile(model, backend=backend), backend
+    model.forward = torch.compile(model.forward, backend=backend)
+    return model, backend
 
 
 class Twice(nn.Module):
@@ -375,15 +380,17 @@ class Branchy(nn.Module):
         return self.head(x)
 
 
-def test_layers_keep_their_model_names_after_a_graph_break(caplog):
+@pytest.mark.parametrize("how", ["module", "forward"])
+def test_layers_keep_their_model_names_after_a_graph_break(caplog, how):
     """A graph break in a block's forward makes Dynamo compile that forward on its own, and its graph
     named layers from the block (`up`, `down` for every block: DBRX, JetMoE, Switch, NLLB-MoE,
     Longformer): full-path `ignore` / `targets` matched nothing, silently. Names are now the model's, a
     full-path pattern applies where the graph is compiled for that instance, and a config that treats
-    instances differently is said to be at Dynamo's mercy."""
+    instances differently is said to be at Dynamo's mercy. Also where the model's forward method is
+    what was compiled: its frames' layers were named `up`, `down` there."""
     torch.manual_seed(0)
     model, x = Branchy().eval(), torch.randn(4, 64)
-    m, backend = compiled(model, ignore=["layers.1.down"])
+    m, backend = compiled(copy.deepcopy(model), how=how, ignore=["layers.1.down"])
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="quantpass"):
         got = m(x)
         want = model(x)
@@ -629,11 +636,13 @@ def test_shared_experts_on_3d_weights_are_grouped_linears(fmt):
     assert "2 matrices of 48 rows" in rows["gate_proj"].reason
 
 
-def test_a_head_tied_across_a_graph_break_is_left_alone(caplog):
+@pytest.mark.parametrize("how", ["module", "forward"])
+def test_a_head_tied_across_a_graph_break_is_left_alone(caplog, how):
     """XLM's LM head is tied to its input embedding, and a graph break puts them in separate graphs:
     the head's graph saw no embedding, so the head was quantized against the default, the embedding's
     storage freed, and every later graph read the embedding back from INT8 values (with a warning a
-    call). The tie is now read from the compiled model."""
+    call). The tie is now read from the compiled model, also where its forward method is what was
+    compiled (XLM's `generate()` with `model.forward = torch.compile(model.forward)` quantized the head)."""
     from quantpass.weight_cache import WEIGHTS
 
     torch.manual_seed(0)
@@ -642,7 +651,7 @@ def test_a_head_tied_across_a_graph_break_is_left_alone(caplog):
     embedding = model.transformer.embeddings.weight
     assert model.pred_layer.proj.weight is embedding
     eager = copy.deepcopy(model)
-    m, backend = compiled(model)
+    m, backend = compiled(model, how=how)
     with torch.no_grad(), caplog.at_level(logging.WARNING, logger="quantpass"):
         for length in (9, 10):
             ids = torch.randint(3, 128, (2, length))

@@ -20,9 +20,11 @@ logger = logging.getLogger("quantpass")
 
 
 def compiled_root() -> nn.Module | None:
-    """The module being compiled, from the call stack: `torch.compile(model)`'s original module, or a
-    module compiled in place (`model.compile()`, the decorator); None for a compiled function."""
-    from torch._dynamo.eval_frame import OptimizedModule
+    """The module being compiled, from the call stack: `torch.compile(model)`'s original module, a
+    module compiled in place (`model.compile()`, the decorator), or the module whose method was
+    compiled (`model.forward = torch.compile(model.forward)`, transformers' way for generation: Dynamo's
+    wrapper holds the bound method); None for a compiled function."""
+    from torch._dynamo.eval_frame import OptimizedModule, _TorchDynamoContext
 
     frame = sys._getframe(1)
     while frame is not None:
@@ -31,8 +33,17 @@ def compiled_root() -> nn.Module | None:
             return owner._orig_mod
         if isinstance(owner, nn.Module) and getattr(owner, "_compiled_call_impl", None) is not None:
             return owner
+        if isinstance(owner, _TorchDynamoContext) and (method := _method_owner(frame.f_locals.get("fn"))):
+            return method
         frame = frame.f_back
     return None
+
+
+def _method_owner(fn) -> nn.Module | None:
+    """The module of the bound method a Dynamo compile wrapper runs (it keeps the method as `fn` or
+    as what `fn` wraps), if it runs one."""
+    owner = getattr(getattr(fn, "__wrapped__", fn), "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
 
 
 def embedding_weights() -> set[int]:
