@@ -96,6 +96,21 @@ CONFIGS = {
         qk_nope_head_dim=8,
         v_head_dim=16,
     ),
+    # Mamba layers, an attention layer, experts in every other layer (router: feed_forward.router)
+    "jamba": lambda: transformers.JambaConfig(
+        **COMMON,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=8,
+        mamba_dt_rank=8,
+        use_mamba_kernels=False,
+    ),
     "gpt_oss": lambda: transformers.GptOssConfig(
         **COMMON,
         head_dim=16,

@@ -48,6 +48,8 @@ MAMBA = dict(
     time_step_rank=8,
     initializer_range=STD,
 )
+MLA = dict(kv_lora_rank=32, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16)
+MAMBA2 = dict(mamba_n_heads=4, mamba_d_state=8, mamba_n_groups=1)
 ROUTER_SCALE = 4.0
 # Granite scales attention by 1/head_dim like its released checkpoints (the config's default 1.0
 # leaves scores unscaled). Their embedding x12 / residual x0.22 are left at 1.0: in two tiny layers
@@ -294,6 +296,41 @@ ARCHS = [
         ids,
     ),
     # ---- state-space decoders (Mamba reads `dt_proj.weight @ x`: a linear with the weight on the left) ----
+    Arch("gemma3", "decoder", _hf(AUTO_LM, tf.Gemma3TextConfig, **LLM, head_dim=16, **IDS), ids),
+    Arch(  # AltUp streams, LAuReL low-rank residuals, per-layer token inputs
+        "gemma3n",
+        "decoder",
+        _hf(
+            AUTO_LM,
+            tf.Gemma3nTextConfig,
+            **{**LLM, "intermediate_size": [128, 128]},
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention"],
+            sliding_window=8,
+            hidden_size_per_layer_input=16,
+            vocab_size_per_layer_input=VOCAB,
+            num_kv_shared_layers=0,
+            laurel_rank=8,
+            activation_sparsity_pattern=[0.0, 0.0],
+            **IDS,
+        ),
+        ids,
+    ),
+    Arch(  # multi-head latent attention in a dense model
+        "minicpm3",
+        "decoder",
+        _hf(AUTO_LM, tf.MiniCPM3Config, **{**LLM, "num_key_value_heads": 4}, **MLA, **IDS),
+        ids,
+    ),
+    Arch(  # Mamba-2 layers with an attention layer
+        "bamba",
+        "decoder",
+        _hf(AUTO_LM, tf.BambaConfig, **LLM, attn_layer_indices=[1], **MAMBA2, mamba_d_head=32, **IDS),
+        ids,
+    ),
+    Arch(  # attention and Mamba-2 side by side in every layer
+        "falcon_h1", "decoder", _hf(AUTO_LM, tf.FalconH1Config, **LLM, head_dim=16, **MAMBA2, **IDS), ids
+    ),
     Arch("mamba", "decoder", _hf(AUTO_LM, tf.MambaConfig, **MAMBA), ids),
     Arch("falcon_mamba", "decoder", _hf(AUTO_LM, tf.FalconMambaConfig, **MAMBA), ids),
     # ---- encoders ----
@@ -478,6 +515,7 @@ ARCHS = [
     Arch("zaya", "moe", _moe("zaya", "grouped_mm", torch.bfloat16), ids, moe=True),
     Arch("deepseek_v4", "moe", _moe("deepseek_v4", "batched_mm", torch.float32, router_scale=16.0), ids, moe=True),
     Arch("inkling", "moe", _moe("inkling", "grouped_mm", torch.bfloat16), ids, moe=True),
+    Arch("jamba", "moe", _moe("jamba", "batched_mm", torch.float32), ids, moe=True),
     # ---- plain torch ----
     Arch("sequential_mlp", "torch", _torch(SequentialMLP), activations()),
     Arch("deep_mlp", "torch", _torch(DeepMLP), activations()),
