@@ -295,7 +295,6 @@ ARCHS = [
         ),
         ids,
     ),
-    # ---- state-space decoders (Mamba reads `dt_proj.weight @ x`: a linear with the weight on the left) ----
     Arch("gemma3", "decoder", _hf(AUTO_LM, tf.Gemma3TextConfig, **LLM, head_dim=16, **IDS), ids),
     Arch(  # AltUp streams, LAuReL low-rank residuals, per-layer token inputs
         "gemma3n",
@@ -322,6 +321,7 @@ ARCHS = [
         _hf(AUTO_LM, tf.MiniCPM3Config, **{**LLM, "num_key_value_heads": 4}, **MLA, **IDS),
         ids,
     ),
+    # ---- state-space decoders and hybrids (Mamba reads `dt_proj.weight @ x`: a linear, weight on the left) ----
     Arch(  # Mamba-2 layers with an attention layer
         "bamba",
         "decoder",
