@@ -113,7 +113,7 @@ def weight_layers(model: nn.Module) -> list[str]:
             packed_in_proj = isinstance(module, nn.MultiheadAttention) and pname.endswith("proj_weight")
             matrices = param.dim() == 3 and "bias" not in pname
             experts = matrices and name.endswith("experts")
-            einsum = matrices and not experts and 1 not in param.shape and "emb" not in pname  # not ViT's cls_token
+            einsum = matrices and 1 not in param.shape and "emb" not in pname  # not ViT's cls_token
             if packed_in_proj or experts or einsum:
                 layers.append(f"{name}.{pname}" if name else pname)
             elif param.dim() == 2 and pname == "weight":
