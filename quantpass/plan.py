@@ -86,12 +86,19 @@ class Plan:
         return "no linear or moe layers found" if self.graphs else NOTHING_COMPILED
 
     def table(self) -> str:
+        """One line per row. A reason many rows share (every layer of a model with the same kernel)
+        is printed once, as a numbered note under the table; each row shows its number and what its
+        own reason adds (the SQNR verify measured for it)."""
         headers = ("layer", "kind", "weight", "activation", "backend", "reason")
-        cells = [(r.fqn, r.kind, r.weight or "-", r.activation or "-", r.backend or "-", r.reason) for r in self.rows]
+        notes, shown = _shared_reasons([r.reason for r in self.rows])
+        cells = [
+            (r.fqn, r.kind, r.weight or "-", r.activation or "-", r.backend or "-", s) for r, s in zip(self.rows, shown)
+        ]
         widths = [max(len(h), *(len(c[i]) for c in cells)) if cells else len(h) for i, h in enumerate(headers)]
         widths[-1] = len(headers[-1])  # the reason column is last: don't pad it
         line = lambda row: "  ".join(str(v).ljust(w) for v, w in zip(row, widths)).rstrip()  # noqa: E731
-        return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells)])
+        noted = ["", *(f"[{i}] {note}" for i, note in enumerate(notes, 1))] if notes else []
+        return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, cells), *noted])
 
     def __str__(self) -> str:
         return f"{self.table()}\n{self.summary()}"
@@ -117,3 +124,34 @@ def _identity(row: PlanRow) -> tuple:
     """What was decided for the layer: for a quantized one, not its reason (only the first graph
     verifies: its reason ends with the measured SQNR)."""
     return row.fqn, row.kind, row.weight, row.activation, row.backend, None if row.quantized else row.reason
+
+
+SEPARATOR = "; "  # between the parts of a reason: the choice, then what later steps add (verify, restores)
+INLINE = 40  # a shared reason this short stays in its rows
+
+
+def _shared_reasons(reasons: list[str]) -> tuple[list[str], list[str]]:
+    """(notes, what each row shows). A reason is a chain of parts joined by SEPARATOR; a prefix of
+    whole parts that two or more rows share becomes a note where those rows part ways (or end): the
+    shortest such prefix, so rows that differ only in their verify figure share one note. A row
+    shows `[n]` and the rest of its reason, so the note and the rest are the reason again."""
+    prefixes = [_prefixes(reason) for reason in reasons]
+    count = Counter(p for ps in prefixes for p in ps)
+    notes: dict[str, int] = {}
+    shown = []
+    for reason, ps in zip(reasons, prefixes):
+        # where rows part ways: the next longer prefix of this reason is on fewer rows (or there is none)
+        parting = (p for p, longer in zip(ps, [*ps[1:], None]) if longer is None or count[longer] < count[p])
+        base = next((p for p in parting if count[p] >= 2 and len(p) > INLINE), None)
+        if base is None:
+            shown.append(reason)
+            continue
+        number = notes.setdefault(base, len(notes) + 1)
+        shown.append(f"[{number}]{reason[len(base) :]}")
+    return list(notes), shown
+
+
+def _prefixes(reason: str) -> list[str]:
+    """The reason's prefixes of whole parts, shortest first (the last is the reason)."""
+    parts = reason.split(SEPARATOR)
+    return [SEPARATOR.join(parts[:i]) for i in range(1, len(parts) + 1)]

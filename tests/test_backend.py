@@ -3,6 +3,7 @@
 import json
 import logging
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -315,6 +316,35 @@ def test_explain_plan_table_and_summary(llama, caplog):
     caplog.set_level("INFO", logger="quantpass")
     compile_logits(model, ids, linear="fp8_per_block")
     assert any(r.message.startswith("linear: 14 quantized") for r in caplog.records)
+
+
+def test_plan_table_prints_a_shared_reason_once(llama):
+    """Every row of a compiled Llama repeated the same ~250-character reason (the kernel, its
+    activations, its M limit), so each line wrapped on a terminal and the verify figures, the one
+    thing that differs, were lost in it. A shared reason is now a numbered note under the table;
+    each row shows the number and what its own reason adds, and note + rest is the reason again."""
+    model, ids, _ = llama
+    backend, _ = compile_logits(model, ids, linear="int8_weight_only")
+    plan = backend.plan
+    lines = plan.table().splitlines()
+    rows, notes = (
+        lines[2 : 2 + len(plan.rows)],
+        dict(re.match(r"\[(\d+)\] (.*)", n).groups() for n in lines[3 + len(plan.rows) :]),
+    )
+    assert lines[2 + len(plan.rows) :][:1] == [""] and len(notes) == 1, plan.table()
+    verified = 0
+    for row, line in zip(plan.rows, rows):
+        assert line.startswith(row.fqn), line
+        shown = re.split(r"  +", line, maxsplit=5)[5]
+        if row.reason.startswith("config.linear"):
+            assert len(line) < 120, line
+            number, rest = re.fullmatch(r"\[(\d+)\](.*)", shown).groups()
+            assert notes[number] + rest == row.reason
+            verified += rest.startswith("; verified ")
+        else:
+            assert shown == row.reason  # the head: one row, stays in its line
+    assert verified >= 2  # rows that differ only in their verify figure share the note
+    assert str(plan).splitlines()[-1] == plan.summary()
 
 
 def test_explain_takes_the_models_keyword_inputs(llama):
