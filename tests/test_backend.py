@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 import torch.nn.functional as F
+from plan_text import printed_reason
 from tiny_models import Block, tiny_llama, token_ids
 
 import quantpass as qp
@@ -325,26 +326,16 @@ def test_plan_table_prints_a_shared_reason_once(llama):
     each row shows the number and what its own reason adds, and note + rest is the reason again."""
     model, ids, _ = llama
     backend, _ = compile_logits(model, ids, linear="int8_weight_only")
-    plan = backend.plan
-    lines = plan.table().splitlines()
-    rows, notes = (
-        lines[2 : 2 + len(plan.rows)],
-        dict(re.match(r"\[(\d+)\] (.*)", n).groups() for n in lines[3 + len(plan.rows) :]),
-    )
-    assert lines[2 + len(plan.rows) :][:1] == [""] and len(notes) == 1, plan.table()
-    verified = 0
+    plan, text = backend.plan, str(backend.plan)
+    lines = text.splitlines()
+    rows, below = lines[2 : 2 + len(plan.rows)], lines[2 + len(plan.rows) :]
+    assert below[0] == "" and re.fullmatch(r"\[1\] config\.linear: .*", below[1]), text
+    assert below[2:] == [plan.summary()]  # one note, then the summary, last
     for row, line in zip(plan.rows, rows):
-        assert line.startswith(row.fqn), line
-        shown = re.split(r"  +", line, maxsplit=5)[5]
-        if row.reason.startswith("config.linear"):
-            assert len(line) < 120, line
-            number, rest = re.fullmatch(r"\[(\d+)\](.*)", shown).groups()
-            assert notes[number] + rest == row.reason
-            verified += rest.startswith("; verified ")
-        else:
-            assert shown == row.reason  # the head: one row, stays in its line
-    assert verified >= 2  # rows that differ only in their verify figure share the note
-    assert str(plan).splitlines()[-1] == plan.summary()
+        assert line.startswith(row.fqn) and printed_reason(text, row.fqn).endswith(row.reason), line
+        assert len(line) < 120 or not row.quantized, line
+    verified = [line for line in rows if line.endswith(" dB") and "  [1]; verified " in line]
+    assert len(verified) >= 2  # rows that differ only in their verify figure share the note
 
 
 def test_explain_takes_the_models_keyword_inputs(llama):

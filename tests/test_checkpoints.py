@@ -27,6 +27,7 @@ import sys
 import pytest
 import torch
 import transformers
+from plan_text import printed_reason
 
 import quantpass as qp
 from quantpass.checkpoints import shards
@@ -370,7 +371,7 @@ def test_cli_runs_a_checkpoint_against_its_dequantized_self_and_saves_it(checkpo
     out = capsys.readouterr()
     assert "modelopt checkpoint (FP8_PER_CHANNEL_PER_TOKEN): running its own formats" in out.err
     assert "== checkpoint FP8_PER_CHANNEL_PER_TOKEN: the checkpoint's formats ==" in out.out
-    assert re.search(r"^model\.layers\.0\.mlp\.up_proj .* checkpoint: FP8_PER_CHANNEL_PER_TOKEN", out.out, re.M)
+    assert "checkpoint: FP8_PER_CHANNEL_PER_TOKEN" in printed_reason(out.out, "model.layers.0.mlp.up_proj")
     (result,) = json.loads(report.read_text())["formats"]
     assert result["cosine"] > 0.99 and result["summary"].startswith("linear: 7 quantized")
     assert qp.checkpoints.detect(str(saved)).quant_algo == "FP8_PER_CHANNEL_PER_TOKEN"
@@ -383,8 +384,8 @@ def test_cli_explains_a_checkpoint_and_refuses_another_weight_format(checkpoints
 
     path = os.path.join(checkpoints, "FP8")
     assert main(["explain", "--model", path, "--prompt-length", "8"]) == 0
-    assert re.search(r"^model\.layers\.0\.self_attn\.q_proj .*kFp8StaticTensorSym +kFp8StaticTensorSym .*checkpoint: FP8",
-                     capsys.readouterr().out, re.M)  # fmt: skip
+    row = printed_reason(capsys.readouterr().out, "model.layers.0.self_attn.q_proj")
+    assert re.search(r" kFp8StaticTensorSym kFp8StaticTensorSym .*checkpoint: FP8", row), row
     assert main(["run", "--model", path, *CLI_RUN, "--quantization", "int8_weight_only"]) == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert err.startswith("quantpass: error: layer ") and "asks for kInt8StaticChannelSym" in err
