@@ -34,6 +34,8 @@ Each cell compiles a tiny random-config model (seeded, 1-2 layers, hidden 32-64,
 FORMAT, "moe": FORMAT, "lowering": "aot_eager"}})` under `torch.no_grad()` (the `moe` slot only for
 MoE models) and compares its output with eager's. `make test` runs one format per architecture (the
 formats rotate), `make test-zoo` every cell; both check each cell they run against this table.
+`make test-zoo-inductor` runs `make test`'s cells with `"lowering": "inductor"` (what users run):
+every column but the cosine must match this table, and the cosine its floor.
 
 - **quantized / eligible / total**: weight layers, counted from the model (an `nn.Linear` or GPT-2
   `Conv1D`, `nn.MultiheadAttention`'s packed input projection, each 3-D expert weight tensor, an MoE
