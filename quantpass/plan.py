@@ -13,7 +13,9 @@ RESTORED, NOT_RUN = "eager calls run on them", "not run yet: its weights are qua
 
 NOTHING_COMPILED = (
     "nothing compiled yet: call the compiled model (`torch.compile(model)` compiles calls of the model "
-    "itself; `model.generate(...)` runs the uncompiled forward: compile `model.forward` instead)"
+    "itself; `model.generate(...)` runs the uncompiled forward: compile `model.forward` instead); if it "
+    "was called, Dynamo ran it eagerly and nothing is quantized (a graph break inside a loop makes Dynamo "
+    "skip the whole frame: `TORCH_LOGS=graph_breaks` says where)"
 )
 
 

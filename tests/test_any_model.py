@@ -976,6 +976,38 @@ def test_generate_with_a_compiled_forward(name, cache, caplog):
             _same_generation(rounded.generate(ids, **options), out, ids.shape[1])
 
 
+class _CheckedStack(nn.Module):
+    """Plain torch: a stack of Linears with a data-dependent check in its loop."""
+
+    def __init__(self, hidden: int = 64, depth: int = 3):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden, hidden) for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+            if x.abs().max() > 1e4:  # reads a value: a graph break inside the loop
+                x = x / x.abs().max()
+        return x
+
+
+def test_a_model_dynamo_runs_eagerly_is_said_to_be_unquantized():
+    """A graph break inside a loop makes Dynamo skip the whole frame: the model ran eagerly, quantpass
+    never saw a graph and nothing was quantized, and the plan told the user to call the model they had
+    just called."""
+    torch.manual_seed(0)
+    model, x = _CheckedStack().eval(), torch.randn(4, 64)
+    backend = qp.backend(linear="int8_weight_only", lowering="aot_eager")
+    torch._dynamo.reset()
+    with torch.no_grad():
+        reference = model(x)
+        out = torch.compile(model, backend=backend)(x)
+    assert torch.equal(out, reference)  # eager, unquantized
+    summary = backend.plan.summary()
+    assert summary.startswith("nothing compiled yet") and "Dynamo ran it eagerly and nothing is quantized" in summary
+    assert "a graph break inside a loop" in summary and "TORCH_LOGS=graph_breaks" in summary
+
+
 def test_a_plan_before_any_graph_says_nothing_was_compiled():
     """`torch.compile(model).generate(...)` runs the uncompiled forward: the plan said "no linear or
     moe layers found" of a Llama."""
