@@ -1,8 +1,9 @@
 """Run one zoo cell (architecture x format) through quantpass and measure it against eager.
 
 A cell compiles the model with `torch.compile(model, backend=qp.backend(linear=FMT, moe=FMT,
-lowering="aot_eager"))` (`"inductor"` under `make test-zoo-inductor`) under `torch.no_grad()` (the object form of `backend="quantpass",
-options={...}`: the same code path, and it keeps the plans) and checks three things:
+lowering="aot_eager"))` (`"inductor"` under `make test-zoo-inductor`) under `torch.no_grad()` (the
+object form of `backend="quantpass", options={...}`: the same code path, and it keeps the plans) and
+checks three things:
 
 - it runs (no crash while compiling or running);
 - its output is close to eager's: cosine >= `COSINE_FLOOR[format][is an MoE model]`;
