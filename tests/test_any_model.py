@@ -997,11 +997,10 @@ def test_a_model_dynamo_runs_eagerly_is_said_to_be_unquantized():
     just called."""
     torch.manual_seed(0)
     model, x = _CheckedStack().eval(), torch.randn(4, 64)
-    backend = qp.backend(linear="int8_weight_only", lowering="aot_eager")
-    torch._dynamo.reset()
+    m, backend = compiled(model)
     with torch.no_grad():
         reference = model(x)
-        out = torch.compile(model, backend=backend)(x)
+        out = m(x)
     assert torch.equal(out, reference)  # eager, unquantized
     summary = backend.plan.summary()
     assert summary.startswith("nothing compiled yet") and "Dynamo ran it eagerly and nothing is quantized" in summary
